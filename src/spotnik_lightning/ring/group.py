@@ -1,0 +1,744 @@
+"""RingGroup: the one object the layers above talk to.
+
+It owns the current :class:`Membership`, runs collectives on it, repairs the ring in place when
+members die (reconcile → accept → restart, the Spotnik paper §3.2), fences every membership change
+with one compare-and-swap in the store, and admits joiners at ``admit()`` boundaries.
+
+Threads: the caller's thread only waits on collectives. A monitor thread accepts connections,
+exchanges UDP heartbeats with the ring neighbours and watches outgoing links for EOF; each
+inbound connection has a reader thread that also executes the receive side of collectives; each
+outgoing link has a sender thread; a control thread performs connects, control sends and store
+calls so no reader ever blocks on them; a keepalive thread refreshes the store registration and
+polls the store when a repair stalls.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from datetime import timedelta
+
+import torch
+
+from spotnik_lightning.api import (
+    BackendConnectionError,
+    ConfigError,
+    EpochFencedError,
+    MembershipChanged,
+    MembershipTimeoutError,
+    ProtocolError,
+    RingBrokenError,
+    RingTimeouts,
+)
+from spotnik_lightning.membership.store import MembershipStore
+from spotnik_lightning.membership.types import Member, Membership
+from spotnik_lightning.ring import plans, wire
+from spotnik_lightning.ring.events import MembershipEvent
+from spotnik_lightning.ring.links import Monitor, OutLink, tune
+from spotnik_lightning.ring.ops import REDUCE_OPS, Op
+from spotnik_lightning.ring.repair import RepairMixin
+from spotnik_lightning.ring.state import CLOSED, FENCED, JOINING, REPAIRING, RUNNING, STARTING
+from spotnik_lightning.ring.state import Interrupted as _Interrupted
+
+log = logging.getLogger("spotnik.ring")
+
+def _bind(host: str, port: int) -> tuple[socket.socket, socket.socket]:
+    """A TCP listener and a UDP socket on the same port number (random when port is 0)."""
+    for _ in range(50):
+        tcp = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        tcp.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            tcp.bind((host, port))
+            real = tcp.getsockname()[1]
+            udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+            udp.bind((host, real))
+        except OSError as exc:
+            tcp.close()
+            if port:
+                raise ConfigError(f"cannot bind ring port {host}:{port}: {exc}") from exc
+            continue
+        tcp.listen(128)
+        tcp.setblocking(False)
+        udp.setblocking(False)
+        return tcp, udp
+    raise ConfigError(f"no free port pair (TCP+UDP) on {host}")
+
+
+class RingGroup(RepairMixin):
+    """A member of one run's ring. Create with :meth:`create`; every public method is bounded.
+
+    Collectives must be called by every member in the same order (SPMD) from one thread at a
+    time. A collective interrupted by a membership change raises :class:`MembershipChanged`
+    (retry it: the ring has already been repaired); a worker excluded from the next epoch gets
+    :class:`EpochFencedError`; a wait that runs out raises :class:`MembershipTimeoutError`.
+    """
+
+    def __init__(self, store: MembershipStore, me: Member, *, run_id: str, secret: bytes,
+                 timeouts: RingTimeouts, chunk_bytes: int, listener: socket.socket,
+                 udp: socket.socket, register_ttl: timedelta) -> None:
+        self.store, self.me, self.run_id, self.timeouts = store, me, run_id, timeouts
+        self._secret = secret
+        self.chunk_bytes = chunk_bytes
+        self._listener, self._udp = listener, udp
+        self._ttl = register_ttl
+        self._cv = threading.Condition(threading.RLock())
+        self._membership = Membership(0, ())
+        self._state = STARTING
+        self._error: BaseException | None = None
+        self._seq = 0
+        self._p2p_seq: dict[tuple[str, str], int] = {}
+        self._ops: dict[str, Op] = {}
+        self._out: dict[tuple[str, str], OutLink] = {}
+        self._connect_locks: dict[tuple[str, str], threading.Lock] = {}
+        self._links_lock = threading.Lock()
+        self._inbound: dict[str, list[socket.socket]] = {}
+        self._known: dict[str, Member] = {me.id: me}
+        self._last_seen: dict[str, float] = {}
+        self._pending_join: dict[str, Member] = {}
+        self._staging = {"ring": torch.empty(chunk_bytes, dtype=torch.uint8),
+                         "p2p": torch.empty(chunk_bytes, dtype=torch.uint8)}
+        self._ctrl_q: queue.Queue[Callable[[], None] | None] = queue.Queue()
+        self.events: list[MembershipEvent] = []
+        self.listeners: list[Callable[[MembershipEvent], None]] = []
+        self.messages_sent = 0
+        self._init_repair_state()
+        hb = timeouts.heartbeat_interval.total_seconds()
+        self._monitor = Monitor(listener, udp, secret, hb, self._on_accept, self._on_heartbeat,
+                                self._on_link_eof, self._tick)
+        self._threads = [
+            threading.Thread(target=self._control_loop, name="spotnik-control", daemon=True),
+            threading.Thread(target=self._keepalive_loop, name="spotnik-keepalive", daemon=True),
+        ]
+        self._monitor.start()
+        for t in self._threads:
+            t.start()
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def create(cls, store: MembershipStore, *, world_size: int | None = None, member_id: str | None = None,
+               host: str = "127.0.0.1", port: int = 0, advertise_host: str | None = None,
+               tier: str = "transient", secret: bytes | str | None = None,
+               timeouts: RingTimeouts | None = None, chunk_bytes: int = 1 << 20,
+               register_ttl: timedelta = timedelta(seconds=10)) -> RingGroup:
+        """Bind the ring port, register in ``store`` and enter the ring.
+
+        If the store holds no membership yet, the first ``world_size`` registered workers
+        (reliable tier first, then registration order) found the ring at epoch 1; otherwise this
+        worker joins the running ring and is admitted at the members' next ``admit()``.
+        Blocks until this worker is a member. Raises ConfigError for bad arguments,
+        BackendConnectionError when the store is unreachable, MembershipTimeoutError when the
+        bootstrap or join does not complete in time.
+        """
+        timeouts = timeouts or RingTimeouts()
+        if world_size is not None and world_size < 1:
+            raise ConfigError(f"world_size must be >= 1, got {world_size}")
+        if chunk_bytes < 4096 or chunk_bytes % 64:
+            raise ConfigError(f"chunk_bytes must be a multiple of 64 and >= 4096, got {chunk_bytes}")
+        listener, udp = _bind(host, port)
+        real_port = listener.getsockname()[1]
+        me = Member(member_id or uuid.uuid4().hex[:12], advertise_host or host, real_port, tier)
+        group = cls(store, me, run_id=store.run_id, secret=wire.load_secret(secret), timeouts=timeouts,
+                    chunk_bytes=chunk_bytes, listener=listener, udp=udp, register_ttl=register_ttl)
+        try:
+            store.register(me, register_ttl)
+            group._enter(world_size)
+        except BaseException:
+            group.close()
+            raise
+        return group
+
+    def _enter(self, world_size: int | None) -> None:
+        deadline = time.monotonic() + self.timeouts.bootstrap.total_seconds()
+        while True:
+            current = self.store.get_membership()
+            if current is not None and current.epoch > 0:
+                if self.me.id in current:
+                    with self._cv:
+                        self._install_locked(current, kind="bootstrap")
+                    return
+                return self._join()
+            if world_size is None:
+                raise ConfigError("the store holds no membership yet: world_size is needed to found the ring")
+            regs = self.store.registered()
+            order = sorted(range(len(regs)), key=lambda i: (regs[i].tier != "reliable", i))
+            chosen = [regs[i] for i in order][:world_size]
+            if len(chosen) >= world_size and any(m.id == self.me.id for m in chosen):
+                self.store.cas_membership(0, Membership(1, tuple(chosen)))
+                continue
+            if time.monotonic() > deadline:
+                raise MembershipTimeoutError(
+                    f"bootstrap of run {self.run_id!r}: {len(regs)} of {world_size} workers registered "
+                    f"after {self.timeouts.bootstrap.total_seconds():.0f} s (epoch 0, member {self.me.id})")
+            time.sleep(0.05)
+
+    def _join(self) -> None:
+        deadline = time.monotonic() + self.timeouts.join.total_seconds()
+        with self._cv:
+            self._state = JOINING
+        while True:
+            current = self.store.get_membership()
+            for m in current.members if current else ():
+                self._known.setdefault(m.id, m)
+            sent_to = None
+            for m in current.members if current else ():
+                if self._send_ctrl(m.id, {"t": "join", "member": self.me.to_dict()}):
+                    sent_to = m.id
+                    break
+            with self._cv:
+                end = min(deadline, time.monotonic() + 1.0)
+                while self._state == JOINING and time.monotonic() < end:
+                    self._cv.wait(end - time.monotonic())
+                if self._state == RUNNING:
+                    return
+                if self._state in (FENCED, CLOSED):
+                    raise self._error or RingBrokenError("closed while joining")
+            if time.monotonic() >= deadline:
+                raise MembershipTimeoutError(
+                    f"join of {self.me.id} not admitted within {self.timeouts.join.total_seconds():.0f} s "
+                    f"(store epoch {current.epoch if current else 0}, last asked {sent_to})")
+
+    # ------------------------------------------------------------------ views
+    @property
+    def membership(self) -> Membership:
+        return self._membership
+
+    @property
+    def epoch(self) -> int:
+        return self._membership.epoch
+
+    @property
+    def rank(self) -> int:
+        return self._membership.rank_of(self.me.id)
+
+    @property
+    def size(self) -> int:
+        return self._membership.size
+
+    @property
+    def member_id(self) -> str:
+        return self.me.id
+
+    @property
+    def state(self) -> str:
+        return self._state
+
+    def _neighbours(self, ids: list[str]) -> tuple[str | None, str | None]:
+        """(pred, succ) of me in ``ids`` (None when alone)."""
+        if self.me.id not in ids or len(ids) < 2:
+            return None, None
+        i = ids.index(self.me.id)
+        return ids[(i - 1) % len(ids)], ids[(i + 1) % len(ids)]
+
+    # ------------------------------------------------------------------ collectives
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> None:
+        """In-place all-reduce (sum, avg, min, max, product) of a CPU tensor of any dtype/shape.
+
+        Ring reduce-scatter + all-gather in chunks of ``chunk_bytes``; every member ends with
+        bit-identical values. A non-contiguous tensor is reduced through one contiguous copy.
+        """
+        if op not in REDUCE_OPS:
+            raise ConfigError(f"unsupported reduce op {op!r}; expected one of {REDUCE_OPS}")
+        work = self._contiguous(tensor)
+        flat = work.view(-1)
+
+        def plan(n: int, rank: int) -> tuple[list, list]:
+            return plans.allreduce_plan(flat.numel() * flat.element_size(), flat.element_size(), n, rank,
+                                        self.chunk_bytes)
+
+        self._ring_op("all_reduce", flat, plan, op)
+        if work is not tensor:
+            tensor.copy_(work)
+
+    def broadcast(self, tensor: torch.Tensor, src: int) -> None:
+        """Overwrite ``tensor`` on every member with rank ``src``'s (pipelined along the ring)."""
+        work = self._contiguous(tensor)
+        flat = work.view(-1)
+        self._check_rank(src)
+        nbytes = flat.numel() * flat.element_size()
+        self._ring_op("broadcast", flat, lambda n, r: plans.broadcast_plan(nbytes, n, r, src, self.chunk_bytes))
+        if work is not tensor:
+            tensor.copy_(work)
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> None:
+        """``output`` (size * input.numel() elements, same dtype) receives every member's input,
+        ordered by rank."""
+        inp = input.contiguous().view(-1)
+        out = self._contiguous(output)
+        flat = out.view(-1)
+        if flat.dtype != inp.dtype or flat.numel() != inp.numel() * self.size:
+            raise ConfigError(f"all_gather output must hold {self.size} x {inp.numel()} {inp.dtype} elements, "
+                              f"got {flat.numel()} {flat.dtype}")
+        block = inp.numel() * inp.element_size()
+
+        def plan(n: int, r: int) -> tuple[list, list]:
+            if flat.numel() != inp.numel() * n:
+                raise MembershipChanged(self.epoch, self.epoch, "world size changed before all_gather")
+            flat[r * inp.numel():(r + 1) * inp.numel()].copy_(inp)
+            return plans.allgather_plan(block, n, r, self.chunk_bytes)
+
+        self._ring_op("all_gather", flat, plan)
+        if out is not output:
+            output.copy_(out)
+
+    def barrier(self) -> None:
+        """Return once every member has entered the barrier."""
+        self.all_reduce(torch.zeros(1, dtype=torch.int32))
+
+    def send(self, tensor: torch.Tensor, dst: int) -> None:
+        """Point-to-point: deliver ``tensor`` to rank ``dst`` (which calls :meth:`recv`)."""
+        self._p2p(send=tensor, peer_rank=dst)
+
+    def recv(self, tensor: torch.Tensor, src: int) -> None:
+        """Point-to-point: fill ``tensor`` with what rank ``src`` sends."""
+        self._p2p(recv=tensor, peer_rank=src)
+
+    def exchange(self, send: torch.Tensor, recv: torch.Tensor, peer: int) -> None:
+        """Send ``send`` to ``peer`` and receive its tensor into ``recv`` concurrently (pairwise
+        averaging for AD-PSGD); both sides call exchange with each other."""
+        self._p2p(send=send, recv=recv, peer_rank=peer)
+
+    def _contiguous(self, tensor: torch.Tensor) -> torch.Tensor:
+        if not isinstance(tensor, torch.Tensor) or tensor.device.type != "cpu":
+            raise ConfigError("spotnik collectives take CPU tensors")
+        return tensor if tensor.is_contiguous() else tensor.contiguous()
+
+    def _check_rank(self, r: int) -> None:
+        if not 0 <= r < self.size:
+            raise ConfigError(f"rank {r} out of range for world size {self.size} (epoch {self.epoch})")
+
+    def _enter_op(self) -> tuple[int, Membership]:
+        """Wait out a repair in progress; raise if it changed the membership. Call with lock held."""
+        if self._state == REPAIRING or self._state == STARTING:
+            old = self._membership.epoch
+            self._wait_not_repairing_locked(old, "collective")
+            raise MembershipChanged(old, self._membership.epoch, "membership changed before the collective")
+        if self._state != RUNNING:
+            raise self._error or RingBrokenError(f"ring is {self._state} (member {self.me.id})")
+        return self._membership.epoch, self._membership
+
+    def _wait_not_repairing_locked(self, old_epoch: int, what: str) -> None:
+        deadline = time.monotonic() + self.timeouts.repair.total_seconds()
+        while self._state in (REPAIRING, STARTING):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise MembershipTimeoutError(
+                    f"{what}: repair of epoch {old_epoch} did not finish within "
+                    f"{self.timeouts.repair.total_seconds():.0f} s at {self.me.id} (dead: {sorted(self._dead)})")
+            self._cv.wait(min(left, 0.5))
+        if self._state != RUNNING:
+            raise self._error or RingBrokenError(f"ring is {self._state} (member {self.me.id})")
+
+    def _ring_op(self, name: str, flat: torch.Tensor, plan: Callable[[int, int], tuple[list, list]],
+                 reduce_op: str = "sum") -> None:
+        with self._cv:
+            epoch, m = self._enter_op()
+            succ = self._neighbours(list(m.ids))[1]
+        if succ is not None and self._out.get((succ, "ring")) is None:
+            # connect before the op is visible, so the reader can forward at once
+            self._out_link(succ, "ring", self.timeouts.connect.total_seconds())
+        with self._cv:
+            if self._membership.epoch != epoch:
+                raise MembershipChanged(epoch, self._membership.epoch, "membership changed before the collective")
+            epoch, m = self._enter_op()
+            ids = list(m.ids)
+            n, rank = len(ids), ids.index(self.me.id)
+            pred, succ = self._neighbours(ids)
+            sends, frames = plan(n, rank)
+            seq = self._seq
+            self._seq += 1
+            op = Op(epoch, seq, "ring", pred, succ, flat, frames, reduce_op, n)
+            self._ops["ring"] = op
+            self._cv.notify_all()
+        self._drive(name, op, sends, need_link=n > 1 and (bool(sends) or any(f.forward for f in frames)))
+
+    def _p2p(self, peer_rank: int, send: torch.Tensor | None = None, recv: torch.Tensor | None = None) -> None:
+        for t in (send, recv):
+            if t is not None:
+                self._contiguous(t)
+        with self._cv:
+            epoch, m = self._enter_op()
+            self._check_rank(peer_rank)
+            peer = m.members[peer_rank].id
+            if peer == self.me.id:
+                if send is not None and recv is not None:
+                    recv.copy_(send)
+                return
+            s_flat = send.contiguous().view(-1) if send is not None else None
+            r_work = recv if recv is None or recv.is_contiguous() else recv.contiguous()
+            r_flat = r_work.view(-1) if r_work is not None else None
+            out_seq = self._p2p_seq.get((peer, "out"), 0)
+            in_seq = self._p2p_seq.get((peer, "in"), 0)
+            if s_flat is not None:
+                self._p2p_seq[(peer, "out")] = out_seq + 1
+            if r_flat is not None:
+                self._p2p_seq[(peer, "in")] = in_seq + 1
+            recv_op = None
+            if r_flat is not None:
+                nb = r_flat.numel() * r_flat.element_size()
+                frames = [plans.Frame(a, b, plans.COPY, False) for a, b in plans.pieces((0, nb), self.chunk_bytes, 1)]
+                recv_op = Op(epoch, in_seq, "p2p", peer, None, r_flat, frames)
+                self._ops["p2p"] = recv_op
+                self._cv.notify_all()
+            send_op = None
+            if s_flat is not None:
+                send_op = Op(epoch, out_seq, "p2p-out", None, peer, s_flat, [])
+                self._ops["p2p-out"] = send_op
+        if send_op is not None:
+            nb = s_flat.numel() * s_flat.element_size()
+            self._start_sends("p2p", send_op, plans.pieces((0, nb), self.chunk_bytes, 1))
+        try:
+            if send_op is not None:
+                self._drive("send", send_op, None, need_link=False)
+            if recv_op is not None:
+                self._drive("recv", recv_op, None, need_link=False)
+        finally:
+            with self._cv:
+                for key, op in (("p2p", recv_op), ("p2p-out", send_op)):
+                    if op is not None and self._ops.get(key) is op:
+                        del self._ops[key]
+        if r_work is not None and r_work is not recv:
+            recv.copy_(r_work)
+
+    def _start_sends(self, channel: str, op: Op, sends: list[tuple[int, int]]) -> None:
+        link = self._out_link(op.dst, "ring" if channel == "ring" else "p2p",
+                              self.timeouts.connect.total_seconds())
+        if link is None:
+            self._suspect(op.dst, f"cannot connect to {op.dst} for {channel} data")
+            op.fail(_Interrupted(f"no link to {op.dst}"))
+            return
+        for a, b in sends:
+            idx = op.take_send_idx()
+            hdr = wire.pack_header(wire.KIND_DATA, op.epoch, op.seq, idx, b - a)
+            if not link.send(hdr, op.mv[a:b], op.sent):
+                op.unsent()
+                op.fail(_Interrupted(f"link to {op.dst} failed"))
+                return
+
+    def _drive(self, name: str, op: Op, sends: list | None, need_link: bool) -> None:
+        """Start ``op``'s sends and wait for it; translate an interruption into MembershipChanged."""
+        try:
+            if need_link:
+                self._start_sends(op.channel, op, sends or [])
+            op.wait(self.timeouts.collective.total_seconds(),
+                    lambda: f"{name} at {self.me.id}: epoch {op.epoch} seq {op.seq} made no progress for "
+                            f"{self.timeouts.collective.total_seconds():.0f} s (receiving from {op.src}, "
+                            f"frame {op.next}/{len(op.frames)}; sending to {op.dst}, "
+                            f"{op.sends_pending} pending)")
+        except TimeoutError as exc:
+            self._fail_op(op)
+            raise MembershipTimeoutError(str(exc)) from None
+        except _Interrupted as exc:
+            with self._cv:
+                self._wait_not_repairing_locked(op.epoch, name)
+                raise MembershipChanged(op.epoch, self._membership.epoch, str(exc)) from None
+        except (EpochFencedError, RingBrokenError):
+            raise
+        finally:
+            with self._cv:
+                if self._ops.get(op.channel) is op:
+                    del self._ops[op.channel]
+
+    def _fail_op(self, op: Op) -> None:
+        op.fail(_Interrupted("timed out"))
+        with self._cv:
+            if self._ops.get(op.channel) is op:
+                del self._ops[op.channel]
+
+    # ------------------------------------------------------------------ data path (reader threads)
+    def _on_data(self, peer: str, channel: str, sock: socket.socket, epoch: int, seq: int, idx: int,
+                 length: int, scratch: bytearray) -> None:
+        """Route one data frame: into the matching op, or drain it when it is stale."""
+        op_key = "ring" if channel == "ring" else "p2p"
+        deadline = time.monotonic() + self.timeouts.collective.total_seconds()
+        op = None
+        with self._cv:
+            while True:
+                cur = self._ops.get(op_key)
+                if self._state in (CLOSED, FENCED):
+                    break
+                if epoch < self._membership.epoch or (epoch == self._membership.epoch and self._state != RUNNING):
+                    break  # an aborted collective of an older epoch: drain it
+                if cur is not None and cur.src == peer and cur.epoch == epoch:
+                    if cur.seq == seq:
+                        op = cur
+                        break
+                    if seq < cur.seq:
+                        break
+                elif epoch == self._membership.epoch and op_key == "ring" and seq < self._seq - 1:
+                    break
+                if time.monotonic() > deadline:
+                    raise ProtocolError(f"data frame epoch {epoch} seq {seq} from {peer} never matched a collective")
+                self._cv.wait(0.05)
+        if op is None:
+            self._drain(sock, length, scratch)
+            return
+        fr = op.begin_frame(idx, length)
+        if isinstance(fr, str):
+            if op.error is not None:
+                self._drain(sock, length, scratch)
+                return
+            raise ProtocolError(f"from {peer}: {fr}")
+        try:
+            if fr.mode == plans.COPY:
+                wire.recv_into_exact(sock, op.mv[fr.start:fr.stop])
+            else:
+                staging = self._staging[op_key]
+                wire.recv_into_exact(sock, memoryview(staging.numpy())[: fr.stop - fr.start])
+                op.finish_frame(fr, staging)
+        except BaseException:
+            with op.cv:
+                op.busy = False
+                op.cv.notify_all()
+            raise
+        op.end_frame()
+        if fr.forward and op.error is None:
+            link = self._out.get((op.dst, "ring")) or self._out_link(
+                op.dst, "ring", self.timeouts.connect.total_seconds())
+            i = op.take_send_idx()
+            hdr = wire.pack_header(wire.KIND_DATA, op.epoch, op.seq, i, fr.stop - fr.start)
+            if link is None or not link.send(hdr, op.mv[fr.start:fr.stop], op.sent):
+                op.unsent()
+                op.fail(_Interrupted(f"link to {op.dst} failed"))
+
+    @staticmethod
+    def _drain(sock: socket.socket, length: int, scratch: bytearray) -> None:
+        view = memoryview(scratch)
+        while length:
+            k = sock.recv_into(view[: min(length, len(scratch))])
+            if k == 0:
+                raise ConnectionError("closed while draining a stale frame")
+            length -= k
+
+    # ------------------------------------------------------------------ connections
+    def _on_accept(self, sock: socket.socket, addr: tuple) -> None:
+        threading.Thread(target=self._serve_inbound, args=(sock, addr), name="spotnik-inbound",
+                         daemon=True).start()
+
+    def _serve_inbound(self, sock: socket.socket, addr: tuple) -> None:
+        peer = f"{addr[0]}:{addr[1]}"
+        try:
+            sock.setblocking(True)
+            sock.settimeout(self.timeouts.connect.total_seconds())
+            hello = wire.handshake_accept(sock, self._secret, self.run_id)
+        except (ProtocolError, OSError, ConnectionError, ValueError) as exc:
+            log.warning("refused ring connection from %s: %s", peer, exc)
+            sock.close()
+            return
+        peer = hello.member_id
+        sock.settimeout(None)
+        tune(sock)
+        with self._cv:
+            if self._state == CLOSED:
+                sock.close()
+                return
+            self._inbound.setdefault(peer, []).append(sock)
+        scratch = bytearray(64 << 10)
+        try:
+            while True:
+                raw = wire.recv_exact(sock, wire.HEADER.size)
+                kind, epoch, seq, idx, length = wire.unpack_header(raw, self.chunk_bytes)
+                if kind == wire.KIND_CTRL:
+                    self._on_ctrl(peer, wire.decode_ctrl(wire.recv_exact(sock, length)))
+                else:
+                    self._on_data(peer, hello.channel, sock, epoch, seq, idx, length, scratch)
+        except ProtocolError as exc:
+            log.warning("closing connection from %s (%s): %s", peer, hello.channel, exc)
+            self._suspect(peer, f"protocol error: {exc}")
+        except (ConnectionError, OSError) as exc:
+            self._suspect(peer, f"connection lost: {exc}")
+        finally:
+            with self._cv:
+                socks = self._inbound.get(peer, [])
+                if sock in socks:
+                    socks.remove(sock)
+            try:
+                sock.close()
+            except OSError:
+                pass
+
+    def _out_link(self, peer: str, channel: str, timeout: float) -> OutLink | None:
+        """The live outgoing link to ``peer`` on ``channel``, connecting (and handshaking) if
+        needed. Returns None when the peer cannot be reached within ``timeout`` seconds."""
+        key = (peer, channel)
+        with self._links_lock:
+            link = self._out.get(key)
+            if link is not None and not link.failed:
+                return link
+            lock = self._connect_locks.setdefault(key, threading.Lock())
+        with lock:
+            link = self._out.get(key)
+            if link is not None and not link.failed:
+                return link
+            member = self._known.get(peer)
+            if member is None or self._state == CLOSED:
+                return None
+            try:
+                sock = socket.create_connection(member.address, timeout=timeout)
+            except OSError as exc:
+                log.debug("connect to %s failed: %s", peer, exc)
+                return None
+            try:
+                tune(sock)
+                wire.handshake_connect(sock, self._secret, self.run_id, wire.Hello(self.me.id, channel))
+                sock.settimeout(None)
+            except (OSError, ConnectionError, ProtocolError) as exc:
+                log.warning("handshake with %s failed: %s", peer, exc)
+                sock.close()
+                return None
+            link = OutLink(peer, channel, sock, self._suspect)
+            with self._links_lock:
+                old = self._out.get(key)
+                self._out[key] = link
+            if old is not None:
+                old.close()
+            self._monitor.watch(link)
+            return link
+
+    def _on_link_eof(self, link: OutLink) -> None:
+        if self._out.get((link.peer, link.channel)) is link:
+            self._suspect(link.peer, "connection closed by peer")
+
+    def _close_links_to(self, peer: str) -> None:
+        """Close every connection to and from ``peer`` (unblocks readers and senders)."""
+        with self._links_lock:
+            links = [self._out.pop(k) for k in list(self._out) if k[0] == peer]
+        for link in links:
+            self._monitor.unwatch(link)
+            threading.Thread(target=link.close, daemon=True).start()
+        for sock in self._inbound.get(peer, []):
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def _send_ctrl(self, peer: str, msg: dict) -> bool:
+        """Send a control message (or deliver it locally when ``peer`` is me). Blocks on the
+        connect only; returns False if the peer is unreachable."""
+        if peer == self.me.id:
+            self._on_ctrl(peer, msg)
+            return True
+        timeout = min(self.timeouts.connect.total_seconds(),
+                      max(1.0, 4 * self.timeouts.heartbeat_timeout.total_seconds()))
+        link = self._out_link(peer, "ring", timeout)
+        if link is None:
+            return False
+        payload = wire.encode_ctrl(msg)
+        ok = link.send(wire.pack_header(wire.KIND_CTRL, self.epoch, 0, 0, len(payload)) + payload, data=False)
+        if ok:
+            with self._cv:
+                self.messages_sent += 1
+                self._repair_msgs += 1
+        return ok
+
+    # ------------------------------------------------------------------ heartbeats / keepalive
+    def _on_heartbeat(self, member_id: str, epoch: int) -> None:
+        self._last_seen[member_id] = time.monotonic()
+
+    def _tick(self) -> None:
+        with self._cv:
+            if self._state not in (RUNNING, REPAIRING):
+                return
+            view = [i for i in self._membership.ids if i not in self._dead]
+            pred, succ = self._neighbours(view)
+            epoch = self._membership.epoch
+        now = time.monotonic()
+        limit = self.timeouts.heartbeat_timeout.total_seconds()
+        for nb in {pred, succ} - {None}:
+            member = self._known.get(nb)
+            if member is not None:
+                self._monitor.send_heartbeat(member.address, epoch, self.me.id)
+            seen = self._last_seen.setdefault(nb, now)
+            if now - seen > limit:
+                self._suspect(nb, f"no heartbeat for {1000 * (now - seen):.0f} ms")
+
+    def _keepalive_loop(self) -> None:
+        period = max(0.2, self._ttl.total_seconds() / 3)
+        next_keepalive = time.monotonic() + period
+        while True:
+            with self._cv:
+                if self._state == CLOSED:
+                    return
+                self._cv.wait(0.1)
+                stalled = self._state == REPAIRING and self._repair_stalled()
+            if stalled:
+                self._ctrl(self._sync_from_store)
+            if time.monotonic() >= next_keepalive:
+                next_keepalive = time.monotonic() + period
+                try:
+                    self.store.keepalive(self.me.id)
+                except BackendConnectionError as exc:
+                    log.warning("keepalive of %s failed (store unreachable): %s", self.me.id, exc)
+
+    def _ctrl(self, fn: Callable[[], None]) -> None:
+        self._ctrl_q.put(fn)
+
+    def _control_loop(self) -> None:
+        while True:
+            fn = self._ctrl_q.get()
+            if fn is None:
+                return
+            try:
+                fn()
+            except Exception:
+                log.exception("control task failed at %s", self.me.id)
+
+    # ------------------------------------------------------------------ leave / close
+    def leave(self) -> None:
+        """Leave the ring gracefully: tell both neighbours, then close. The others repair at once
+        (their in-flight collective, if any, raises MembershipChanged)."""
+        with self._cv:
+            view = list(self._membership.ids)
+            pred, succ = self._neighbours(view)
+            running = self._state in (RUNNING, REPAIRING)
+        if running:
+            for nb in {pred, succ} - {None}:
+                self._send_ctrl(nb, {"t": "lv", "base": self.epoch})
+            for link in list(self._out.values()):
+                if link.peer in (pred, succ):
+                    link.close(flush_timeout=1.0)
+        self.close()
+
+    def close(self) -> None:
+        """Stop every thread and close every socket (idempotent, bounded). Unregisters from the
+        store (best effort)."""
+        with self._cv:
+            if self._state == CLOSED:
+                return
+            self._state = CLOSED
+            self._error = self._error or RingBrokenError(f"ring group of {self.me.id} is closed")
+            for op in self._ops.values():
+                op.fail(self._error)
+            self._cv.notify_all()
+        self._ctrl_q.put(None)
+        self._monitor.stop()
+        with self._links_lock:
+            links = list(self._out.values())
+            self._out.clear()
+        for link in links:
+            link.close()
+        for socks in list(self._inbound.values()):
+            for s in list(socks):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+        self._listener.close()
+        self._udp.close()
+        for t in self._threads:
+            if t is not threading.current_thread():
+                t.join(timeout=2.0)
+        try:
+            self.store.unregister(self.me.id)
+        except Exception as exc:  # the store may be gone at shutdown; nothing to recover
+            log.debug("unregister of %s failed: %s", self.me.id, exc)
+
+    def __enter__(self) -> RingGroup:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

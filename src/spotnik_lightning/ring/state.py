@@ -1,0 +1,9 @@
+"""Ring group states and the internal interruption signal."""
+
+RUNNING, REPAIRING, JOINING, STARTING, FENCED, CLOSED = (
+    "running", "repairing", "joining", "starting", "fenced", "closed")
+
+
+class Interrupted(Exception):  # noqa: N818 - internal signal, not an error for users
+    """An op was aborted by a membership change; the caller turns it into MembershipChanged once
+    the change is installed."""
