@@ -99,6 +99,7 @@ class RingGroup(RepairMixin):
         self._inbound: dict[str, list[socket.socket]] = {}
         self._known: dict[str, Member] = {me.id: me}
         self._last_seen: dict[str, float] = {}
+        self._last_tick = time.monotonic()
         self._pending_join: dict[str, Member] = {}
         self._staging = {"ring": torch.empty(chunk_bytes, dtype=torch.uint8),
                          "p2p": torch.empty(chunk_bytes, dtype=torch.uint8)}
@@ -603,13 +604,19 @@ class RingGroup(RepairMixin):
         if self._out.get((link.peer, link.channel)) is link:
             self._suspect(link.peer, "connection closed by peer")
 
-    def _close_links_to(self, peer: str) -> None:
-        """Close every connection to and from ``peer`` (unblocks readers and senders)."""
+    def _close_links_to(self, peer: str, notice: dict | None = None) -> None:
+        """Close every connection to and from ``peer`` (unblocks readers and senders). With
+        ``notice``, first send it on the ring link (best effort, flushed for up to 100 ms)."""
         with self._links_lock:
             links = [self._out.pop(k) for k in list(self._out) if k[0] == peer]
         for link in links:
             self._monitor.unwatch(link)
-            threading.Thread(target=link.close, daemon=True).start()
+            flush = 0.0
+            if notice is not None and link.channel == "ring":
+                payload = wire.encode_ctrl(notice)
+                link.send(wire.pack_header(wire.KIND_CTRL, self.epoch, 0, 0, len(payload)) + payload, data=False)
+                flush = 0.1
+            threading.Thread(target=link.close, args=(flush,), daemon=True).start()
         for sock in self._inbound.get(peer, []):
             try:
                 sock.shutdown(socket.SHUT_RDWR)
@@ -648,12 +655,18 @@ class RingGroup(RepairMixin):
             epoch = self._membership.epoch
         now = time.monotonic()
         limit = self.timeouts.heartbeat_timeout.total_seconds()
+        # If this process itself was starved (our tick came late), silence is no evidence against
+        # the neighbours: restart their deadlines instead of suspecting them.
+        starved = now - self._last_tick > limit / 2
+        self._last_tick = now
         for nb in {pred, succ} - {None}:
             member = self._known.get(nb)
             if member is not None:
                 self._monitor.send_heartbeat(member.address, epoch, self.me.id)
             seen = self._last_seen.setdefault(nb, now)
-            if now - seen > limit:
+            if starved:
+                self._last_seen[nb] = now
+            elif now - seen > limit:
                 self._suspect(nb, f"no heartbeat for {1000 * (now - seen):.0f} ms")
 
     def _keepalive_loop(self) -> None:

@@ -74,7 +74,10 @@ class RepairMixin:
                                      "t_ms": round(1000 * (time.monotonic() - self._repair_t0), 2)})
             log.info("%s suspects %s at epoch %d: %s", self.me.id, peer, self._membership.epoch, reason)
             self._originate_locked()
-        self._close_links_to(peer)
+            notice = {"t": "ex", "base": self._membership.epoch, "reason": reason}
+        # tell the peer it is excluded (if it is alive, e.g. only slow, it fences itself rather
+        # than suspecting us back and splitting the ring further)
+        self._close_links_to(peer, notice)
 
     def _begin_repair_locked(self, reason: str) -> None:
 
@@ -136,6 +139,10 @@ class RepairMixin:
                 self._on_join(peer, msg)
             elif kind == "lv":
                 self._suspect(peer, "left the ring")
+            elif kind == "ex":
+                with self._cv:
+                    if int(msg["base"]) == self._membership.epoch and self._state in (RUNNING, REPAIRING):
+                        self._fence_locked(f"excluded by {peer} at epoch {msg['base']}: {msg.get('reason')}")
             else:
                 log.warning("ignoring unknown control message %r from %s", kind, peer)
         except (KeyError, TypeError, ValueError) as exc:
@@ -225,15 +232,17 @@ class RepairMixin:
         path = view[i + 1:] + view[:i]
         log.info("%s %s epoch %d (%d members)", self.me.id, "committed" if won else "lost the CAS for",
                  current.epoch, current.size)
+        # forward before installing: on every link the restart then precedes new-epoch data
+        self._send_path({"t": "rst", "m": current.to_json(), "path": path, "origin": self.me.id})
         with self._cv:
             self._adopt_locked(current, "repair")
-        self._send_path({"t": "rst", "m": current.to_json(), "path": path, "origin": self.me.id})
 
     def _on_restart(self, peer: str, msg: dict) -> None:
         m = Membership.from_json(msg["m"])
+        # forward first (see _commit); a connect here blocks only this reader, bounded
+        self._send_path(msg)
         with self._cv:
             self._adopt_locked(m, "join" if self.me.id not in self._membership else "repair")
-        self._ctrl(lambda: self._send_path(msg))
 
     def _on_join(self, peer: str, msg: dict) -> None:
 
@@ -390,9 +399,10 @@ class RepairMixin:
         with self._cv:
             self._repair_t0 = time.monotonic()
             self._repair_msgs = 0
-            self._adopt_locked(current, "join")
         if current is not None:
             ids = list(current.ids)
             i = ids.index(self.me.id) if self.me.id in ids else 0
-            self._ctrl(lambda: self._send_path({"t": "rst", "m": current.to_json(),
-                                                "path": ids[i + 1:] + ids[:i], "origin": self.me.id}))
+            self._send_path({"t": "rst", "m": current.to_json(), "path": ids[i + 1:] + ids[:i],
+                             "origin": self.me.id})
+            with self._cv:
+                self._adopt_locked(current, "join")
