@@ -68,14 +68,20 @@ def run(cfg: dict) -> int:
     max_iters = int(cfg.get("iters", 1 << 62))
     mine = float(value_of(mid))
     last_epoch, k, code = -1, 0, 0
+    sync = cfg.get("world_size") is None  # a joiner first receives the loop counter (state transfer)
     try:
         while time.monotonic() < deadline and k < max_iters:
             m = ring.membership
             t = torch.full((numel,), mine)
             try:
-                if admit_every and k % admit_every == 0:
-                    ring.admit()
+                if sync:
+                    step = torch.tensor([k], dtype=torch.int64)
+                    ring.broadcast(step, 0)  # members run the same broadcast after admit()
+                    k, sync = int(step.item()), False
                     m = ring.membership
+                if admit_every and k % admit_every == 0 and ring.admit():
+                    sync = True
+                    continue
                 ring.all_reduce(t)
             except MembershipChanged as exc:
                 emit(ev="changed", id=mid, old=exc.old_epoch, new=exc.new_epoch)

@@ -100,6 +100,7 @@ class RingGroup(RepairMixin):
         self._known: dict[str, Member] = {me.id: me}
         self._last_seen: dict[str, float] = {}
         self._last_tick = time.monotonic()
+        self._heard: set[str] = set()  # neighbours whose heartbeats we have seen at least once
         self._pending_join: dict[str, Member] = {}
         self._staging = {"ring": torch.empty(chunk_bytes, dtype=torch.uint8),
                          "p2p": torch.empty(chunk_bytes, dtype=torch.uint8)}
@@ -645,6 +646,7 @@ class RingGroup(RepairMixin):
     # ------------------------------------------------------------------ heartbeats / keepalive
     def _on_heartbeat(self, member_id: str, epoch: int) -> None:
         self._last_seen[member_id] = time.monotonic()
+        self._heard.add(member_id)
 
     def _tick(self) -> None:
         with self._cv:
@@ -666,7 +668,8 @@ class RingGroup(RepairMixin):
             seen = self._last_seen.setdefault(nb, now)
             if starved:
                 self._last_seen[nb] = now
-            elif now - seen > limit:
+            # a neighbour never heard from may still be starting up: give it a longer grace
+            elif now - seen > (limit if nb in self._heard else max(5.0, 10 * limit)):
                 self._suspect(nb, f"no heartbeat for {1000 * (now - seen):.0f} ms")
 
     def _keepalive_loop(self) -> None:

@@ -239,6 +239,8 @@ class RepairMixin:
 
     def _on_restart(self, peer: str, msg: dict) -> None:
         m = Membership.from_json(msg["m"])
+        for member in m.members:  # joiners' addresses are needed to forward before installing
+            self._known.setdefault(member.id, member)
         # forward first (see _commit); a connect here blocks only this reader, bounded
         self._send_path(msg)
         with self._cv:
@@ -286,6 +288,8 @@ class RepairMixin:
         now = time.monotonic()
         for pid in m.ids:
             self._last_seen[pid] = now
+        if kind != "bootstrap":  # label by what changed, whoever initiated it
+            kind = "repair" if any(i not in m for i in old.ids) else "join"
         event = MembershipEvent(
             kind=kind, member=self.me.id, old_epoch=old.epoch, new_epoch=m.epoch, members=list(m.ids),
             removed=[i for i in old.ids if i not in m], added=[i for i in m.ids if i not in old] if old.size else [],
