@@ -36,13 +36,17 @@ Environment (validated; garbage raises :class:`~spotnik_lightning.api.ConfigErro
 ``SPOTNIK_STORE``, ``SPOTNIK_RUN_ID``, ``SPOTNIK_HOST`` (address the ring binds and advertises; default:
 this machine's address towards the store), ``SPOTNIK_TIER`` (``transient``/``reliable``),
 ``SPOTNIK_HEARTBEAT_MS``, ``SPOTNIK_HEARTBEAT_TIMEOUT_MS`` (ring heartbeat interval / dead-neighbour
-timeout), ``SPOTNIK_STORE_TIMEOUT_MS`` (bound of one membership-store call, default 10000).
+timeout), ``SPOTNIK_STORE_TIMEOUT_MS`` (bound of one membership-store call, default 10000),
+``SPOTNIK_SHUTDOWN_WAIT_MS`` (how long a closing member waits for the others to close, default 10000).
 ``SPOTNIK_SECRET`` is read by the ring itself. The ``timeout`` given to ``init_process_group`` bounds the
 bootstrap, a join, and a collective that makes no progress (like gloo's timeout).
 
-Teardown: ``destroy_process_group`` calls :meth:`ProcessGroupSpotnik.shutdown`, which closes the ring
-and stops its threads; an ``atexit`` hook closes rings still open at interpreter exit and joins the
-ring's threads (a Python thread still inside torch at shutdown can abort the process).
+Teardown: ``destroy_process_group`` calls :meth:`ProcessGroupSpotnik.shutdown`, which waits (bounded
+by ``SPOTNIK_SHUTDOWN_WAIT_MS``) until every member is closing too — a peer that closes while others
+still finish the last collective would abort it for them — then closes the ring and stops its
+threads. Call it on every rank, like torch requires. An ``atexit`` hook does the same for rings still
+open at interpreter exit and joins the ring's threads (a Python thread still inside torch at
+shutdown can abort the process).
 """
 
 from __future__ import annotations
@@ -113,6 +117,7 @@ class Settings:
     heartbeat_interval: timedelta | None = None
     heartbeat_timeout: timedelta | None = None
     store_timeout: timedelta = timedelta(seconds=10)
+    shutdown_wait: timedelta = timedelta(seconds=10)
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> Settings:
@@ -130,7 +135,8 @@ class Settings:
         interval = _env_ms(env, "SPOTNIK_HEARTBEAT_MS")
         hb_timeout = _env_ms(env, "SPOTNIK_HEARTBEAT_TIMEOUT_MS")
         store_timeout = _env_ms(env, "SPOTNIK_STORE_TIMEOUT_MS") or timedelta(seconds=10)
-        settings = cls(url, run_id, host, tier, interval, hb_timeout, store_timeout)
+        shutdown_wait = _env_ms(env, "SPOTNIK_SHUTDOWN_WAIT_MS") or timedelta(seconds=10)
+        settings = cls(url, run_id, host, tier, interval, hb_timeout, store_timeout, shutdown_wait)
         try:
             settings.timeouts(timedelta(minutes=30))
         except ConfigError as exc:
@@ -175,7 +181,10 @@ class C10dMembershipStore(MembershipStore):
 
     The adapter talks to a clone of the store (its own connection) with its own timeout
     (``timeout``), so a store call is bounded without touching torch's store timeout; every failure
-    is raised as BackendConnectionError. Thread-safe; :meth:`close` does not close torch's store.
+    is raised as BackendConnectionError. A TCPStore client never reconnects, so after a network
+    error (``DistNetworkError``: the store's host is gone) every later call fails at once with the
+    same error instead of asking the dead connection again (each attempt makes torch log a warning
+    with a C++ stack trace). Thread-safe; :meth:`close` does not close torch's store.
     """
 
     PREFIX = "spotnik/"
@@ -193,6 +202,7 @@ class C10dMembershipStore(MembershipStore):
         except (RuntimeError, AttributeError):  # a store without clone(): share torch's (its timeout)
             self._store = store
         self._slots: dict[str, int] = {}
+        self._dead: str | None = None  # why the connection is known to be gone
 
     def __repr__(self) -> str:
         return f"C10dMembershipStore(run_id={self.run_id!r})"
@@ -202,11 +212,17 @@ class C10dMembershipStore(MembershipStore):
         with self._lock:
             if self._closed:
                 raise BackendConnectionError(f"c10d membership store: {what} on a closed adapter")
+            if self._dead is not None:
+                raise BackendConnectionError(f"c10d membership store unreachable during {what} "
+                                             f"(run {self.run_id!r}): connection lost earlier: {self._dead}")
             try:
                 return fn()
             except (RuntimeError, OSError) as exc:  # DistStoreError/DistNetworkError are RuntimeErrors
-                raise BackendConnectionError(
-                    f"c10d membership store unreachable during {what} (run {self.run_id!r}): {exc}") from exc
+                err = BackendConnectionError(
+                    f"c10d membership store unreachable during {what} (run {self.run_id!r}): {exc}")
+                if isinstance(exc, dist.DistNetworkError):
+                    self._dead = f"{exc} (during {what})"
+                raise err from exc
 
     def _key(self, name: str) -> str:
         return self.PREFIX + name
@@ -375,18 +391,42 @@ class _RankOrderedRing(RingGroup):
 # --------------------------------------------------------------------------- live rings / exit
 
 _LIVE_LOCK = threading.Lock()
-_LIVE: set[RingGroup] = set()
+_LIVE: dict[RingGroup, float] = {}  # open ring -> seconds to linger at close
 
 
-def _track(ring: RingGroup) -> None:
+def _track(ring: RingGroup, linger: float) -> None:
     with _LIVE_LOCK:
-        _LIVE.add(ring)
+        _LIVE[ring] = linger
+
+
+def _linger(ring: RingGroup, timeout: float) -> None:
+    """Wait (at most ``timeout`` s) until every current member announced that it is closing.
+
+    A member that finished the last collective and closes at once makes its neighbours see EOF on
+    their links and abort *their* end of that collective (the ring treats a closed peer as dead). So
+    a closing member first writes ``closed.<member id>`` in the membership store and closes once all
+    current members wrote theirs: by then every member has finished all its collectives. A dead or
+    absent member only delays the close until ``timeout``; a store failure ends the wait.
+    """
+    if ring.state not in ("running", "repairing") or ring.size < 2:
+        return
+    deadline = time.monotonic() + timeout
+    try:
+        ring.store.put(f"closed.{ring.member_id}", str(ring.epoch))
+        while time.monotonic() < deadline and ring.state in ("running", "repairing"):
+            if all(ring.store.get(f"closed.{m}") is not None for m in ring.membership.ids):
+                return
+            time.sleep(0.02)
+    except SpotnikError as exc:  # the store is gone (e.g. rank 0 exited): nobody to wait for
+        log.debug("linger of %s ended: %s", ring.member_id, exc)
 
 
 def _close_ring(ring: RingGroup) -> None:
     with _LIVE_LOCK:
-        _LIVE.discard(ring)
+        linger = _LIVE.pop(ring, None)
     try:
+        if linger is not None:
+            _linger(ring, linger)
         ring.close()
     finally:
         try:
@@ -398,7 +438,7 @@ def _close_ring(ring: RingGroup) -> None:
 def _close_all_at_exit(join_timeout: float = 5.0) -> None:
     """atexit hook: close every ring still open, then join the ring threads (bounded)."""
     with _LIVE_LOCK:
-        rings = list(_LIVE)
+        rings = list(_LIVE)  # their lingers overlap: each waits for the others' announcements
     for ring in rings:
         try:
             _close_ring(ring)
@@ -483,6 +523,19 @@ def _cpu(tensors: Sequence[torch.Tensor], what: str) -> None:
             raise ConfigError(f"{what}: the spotnik backend does not support sparse tensors")
 
 
+def _dense(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself when the ring can use its memory directly, else a dense copy.
+
+    ``is_contiguous()`` ignores the stride of size-1 dimensions, so a one-element view such as
+    ``x[::2][:1]`` counts as contiguous while ``view(-1)`` keeps its stride 2; the ring's byte view of
+    it then fails ("self.stride(-1) must be 1 to view Float as Byte"). Copy those, and every truly
+    non-contiguous tensor.
+    """
+    if t.is_contiguous() and (t.numel() != 1 or t.reshape(-1).stride(0) == 1):
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
+
+
 def _opt(opts: object, name: str, default: object) -> object:
     return default if opts is None else getattr(opts, name, default)
 
@@ -504,7 +557,7 @@ class ProcessGroupSpotnik(dist.ProcessGroup):
     duplicates), :meth:`take_error` (the first failure not yet observed through Work.wait, cleared).
     """
 
-    def __init__(self, store: dist.Store, ring: RingGroup, torch_rank: int, torch_size: int) -> None:
+    def __init__(self, ring: RingGroup, torch_rank: int, torch_size: int) -> None:
         # The (store, rank, size) constructor is not alias-aware in torch 2.13 ("pybind11::init():
         # construction failed: returned holder-wrapped instance is not an alias instance").
         super().__init__(torch_rank, torch_size)
@@ -608,7 +661,7 @@ class ProcessGroupSpotnik(dist.ProcessGroup):
 
         def body() -> None:
             for t in tensors:
-                self.ring.all_reduce(t, op)
+                self._all_reduce(t, op)
 
         return self._run("allreduce", tensors, body)
 
@@ -624,14 +677,14 @@ class ProcessGroupSpotnik(dist.ProcessGroup):
 
         def body() -> None:
             for t in tensors:
-                self.ring.broadcast(t, root)
+                self._broadcast(t, root)
 
         return self._run("broadcast", tensors, body)
 
     def _gather_flat(self, inp: torch.Tensor) -> torch.Tensor:
         """Every member's ``inp`` (flattened), concatenated in rank order."""
         flat = torch.empty(self.ring.size * inp.numel(), dtype=inp.dtype)
-        self.ring.all_gather(flat, inp)
+        self._all_gather(flat, inp)
         return flat
 
     def allgather(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor],
@@ -663,7 +716,7 @@ class ProcessGroupSpotnik(dist.ProcessGroup):
     def all_gather_single(self, output: torch.Tensor, inp: torch.Tensor, opts: object = None) -> SpotnikWork:
         """``output`` (size x ``inp.numel()`` elements) receives every rank's ``inp`` in rank order."""
         _cpu([output, inp], "all_gather_into_tensor")
-        return self._run("all_gather_into_tensor", [output], lambda: self.ring.all_gather(output, inp))
+        return self._run("all_gather_into_tensor", [output], lambda: self._all_gather(output, inp))
 
     _allgather_base = all_gather_single
 
@@ -673,7 +726,7 @@ class ProcessGroupSpotnik(dist.ProcessGroup):
 
         def body() -> None:
             for o, i in zip(outputs, inputs, strict=True):
-                self.ring.all_gather(o, i)
+                self._all_gather(o, i)
 
         return self._run("all_gather_into_tensor_coalesced", list(outputs), body)
 
@@ -684,7 +737,7 @@ class ProcessGroupSpotnik(dist.ProcessGroup):
         if flat_input.numel() != n * output.numel():
             raise ConfigError(f"reduce_scatter: input must hold {n} x {output.numel()} elements, "
                               f"got {flat_input.numel()}")
-        self.ring.all_reduce(flat_input, op)
+        self._all_reduce(flat_input, op)
         output.copy_(flat_input[rank * output.numel():(rank + 1) * output.numel()].view(output.shape))
 
     def reduce_scatter(self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]],
@@ -735,7 +788,7 @@ class ProcessGroupSpotnik(dist.ProcessGroup):
 
         def body() -> None:
             for t in tensors:
-                self.ring.all_reduce(t if self.ring.rank == root else t.clone(), op)
+                self._all_reduce(t if self.ring.rank == root else t.clone(), op)
 
         return self._run("reduce", tensors, body)
 
@@ -772,7 +825,7 @@ class ProcessGroupSpotnik(dist.ProcessGroup):
                     buf = torch.cat([t.reshape(-1) for t in input_lists[j]])
                 else:
                     buf = torch.empty(n * k, dtype=out.dtype)
-                self.ring.broadcast(buf, root)
+                self._broadcast(buf, root)
                 out.copy_(buf[rank * k:(rank + 1) * k].view(out.shape))
 
         return self._run("scatter", outputs, body)
@@ -829,7 +882,7 @@ class ProcessGroupSpotnik(dist.ProcessGroup):
 
         def body() -> None:
             for t in tensors:
-                self.ring.send(t, dst)
+                self._send(t, dst)
 
         return self._run("send", tensors, body)
 
@@ -841,12 +894,40 @@ class ProcessGroupSpotnik(dist.ProcessGroup):
 
         def body() -> None:
             for t in tensors:
-                self.ring.recv(t, src)
+                self._recv(t, src)
 
         return self._run("recv", tensors, body)
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> SpotnikWork:
         raise NotImplementedError("the spotnik backend does not support recv from any source")
+
+    # ---- ring calls on dense memory (results copied back into non-dense tensors)
+    def _all_reduce(self, t: torch.Tensor, op: str) -> None:
+        w = _dense(t)
+        self.ring.all_reduce(w, op)
+        if w is not t:
+            t.copy_(w)
+
+    def _broadcast(self, t: torch.Tensor, root: int) -> None:
+        w = _dense(t)
+        self.ring.broadcast(w, root)
+        if w is not t:
+            t.copy_(w)
+
+    def _all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> None:
+        w = _dense(out)
+        self.ring.all_gather(w, _dense(inp))
+        if w is not out:
+            out.copy_(w)
+
+    def _send(self, t: torch.Tensor, dst: int) -> None:
+        self.ring.send(_dense(t), dst)
+
+    def _recv(self, t: torch.Tensor, src: int) -> None:
+        w = _dense(t)
+        self.ring.recv(w, src)
+        if w is not t:
+            t.copy_(w)
 
     def _check_rank(self, r: int, what: str) -> None:
         if not 0 <= r < self.ring.size:
@@ -931,13 +1012,13 @@ def _create(store: dist.Store, rank: int, world_size: int, timeout: timedelta) -
     except BaseException:
         mstore.close()
         raise
-    _track(ring)
+    _track(ring, settings.shutdown_wait.total_seconds())
     try:
         if ring.membership.ids[ring.rank] != f"rank{rank}" or ring.size != world_size:
             raise ConfigError(f"ring of run {run_id!r} does not match torch's group: ring members "
                               f"{list(ring.membership.ids)}, torch rank {rank} of {world_size} "
                               "(a stale run? use a fresh SPOTNIK_RUN_ID)")
-        return ProcessGroupSpotnik(store, ring, rank, world_size)
+        return ProcessGroupSpotnik(ring, rank, world_size)
     except BaseException:
         _close_ring(ring)
         raise

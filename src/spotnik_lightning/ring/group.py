@@ -42,7 +42,7 @@ from spotnik_lightning.ring.events import MembershipEvent
 from spotnik_lightning.ring.links import Monitor, OutLink, tune
 from spotnik_lightning.ring.ops import REDUCE_OPS, Op
 from spotnik_lightning.ring.repair import RepairMixin
-from spotnik_lightning.ring.state import CLOSED, FENCED, JOINING, REPAIRING, RUNNING, STARTING
+from spotnik_lightning.ring.state import CLOSED, FENCED, JOINING, LEAVING, REPAIRING, RUNNING, STARTING
 from spotnik_lightning.ring.state import Interrupted as _Interrupted
 
 log = logging.getLogger("spotnik.ring")
@@ -711,12 +711,18 @@ class RingGroup(RepairMixin):
             view = list(self._membership.ids)
             pred, succ = self._neighbours(view)
             running = self._state in (RUNNING, REPAIRING)
+            if running:
+                self._state = LEAVING  # from now on our own closing links are not failures
+                for op in list(self._ops.values()):
+                    op.fail(RingBrokenError(f"{self.me.id} is leaving the ring"))
         if running:
             for nb in {pred, succ} - {None}:
                 self._send_ctrl(nb, {"t": "lv", "base": self.epoch})
-            for link in list(self._out.values()):
-                if link.peer in (pred, succ):
-                    link.close(flush_timeout=1.0)
+            with self._links_lock:
+                links = [self._out.pop(k) for k in list(self._out) if k[0] in (pred, succ)]
+            for link in links:
+                self._monitor.unwatch(link)
+                link.close(flush_timeout=1.0)
         self.close()
 
     def close(self) -> None:

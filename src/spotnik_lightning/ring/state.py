@@ -1,7 +1,7 @@
 """Ring group states and the internal interruption signal."""
 
-RUNNING, REPAIRING, JOINING, STARTING, FENCED, CLOSED = (
-    "running", "repairing", "joining", "starting", "fenced", "closed")
+RUNNING, REPAIRING, JOINING, STARTING, FENCED, LEAVING, CLOSED = (
+    "running", "repairing", "joining", "starting", "fenced", "leaving", "closed")
 
 
 class Interrupted(Exception):  # noqa: N818 - internal signal, not an error for users
