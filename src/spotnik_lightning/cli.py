@@ -132,13 +132,16 @@ def _bench_allreduce(args: argparse.Namespace) -> int:
         return 1
     if args.json:
         slim = {"config": result["config"], "seconds": result["seconds"],
-                "rows": [{k: v for k, v in r.items() if k not in ("rss_per_worker",)} for r in result["rows"]]}
+                "rows": [{k: v for k, v in r.items() if k not in ("rss_per_worker",)} for r in result["rows"]],
+                "errors": [{"procs": e["procs"], "error": e["error"]} for e in result["errors"]]}
         for r in slim["rows"]:
             r["size"] = format_size(r["size_bytes"])
         print(json.dumps(slim))
     else:
         print(format_table(result))
-    return 0
+    for e in result["errors"]:
+        print(f"spotnik bench allreduce: {e['detail']}", file=sys.stderr)
+    return 1 if result["errors"] else 0
 
 
 def _bench_recovery(rest: list[str]) -> int:

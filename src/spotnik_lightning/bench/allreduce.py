@@ -12,9 +12,11 @@ time is the median over rounds, so machine noise hits both backends alike.
 
 Bus bandwidth (as nccl-tests): ``bytes * 2 * (N - 1) / N / time``, in GB/s (1e9).
 
-Memory: ``rss_baseline_mib`` is VmRSS after setup with the tensor allocated; before every timed
-block the peak (VmHWM) is reset through ``/proc/self/clear_refs`` so ``rss_peak_<backend>_mib`` is
-the peak during that backend's blocks only. Without clear_refs (non-Linux, restricted /proc) the
+Memory: ``rss_setup_mib`` is VmRSS once both groups are up; ``rss_baseline_mib`` is VmRSS with the
+size's tensor allocated, before any all-reduce of that size. Before each backend's warmup and
+each timed block the peak (VmHWM) is reset through ``/proc/self/clear_refs``, so
+``rss_peak_<backend>_mib`` is the peak during that backend's own all-reduces (warmup included,
+so buffers a backend allocates once and keeps are counted). Without clear_refs (non-Linux, restricted /proc) the
 peak is the process-wide ``ru_maxrss`` covering both backends, flagged ``peak_scope: process``.
 """
 
@@ -62,14 +64,17 @@ def _stderr(msg: str) -> None:
 
 
 def run(procs: list[int], sizes: list[int], iters: int = 10, warmup: int = 2, chunk_bytes: int = 1 << 20, *,
-        rounds: int = 5, timeout_s: float | None = None, log: Callable[[str], None] | None = _stderr) -> dict:
+        rounds: int = 5, timeout_s: float | None = None, log: Callable[[str], None] | None = _stderr,
+        keep_going: bool = True) -> dict:
     """Benchmark float32 all-reduce of each size (bytes, a multiple of 4) on each world size.
 
     Returns ``{"config": {...}, "rows": [...], "seconds": total}``; one row per (procs, size) with
     ``gloo_busbw_gbps``, ``spotnik_busbw_gbps``, ``ratio`` (spotnik / gloo), the median block
-    times, the goal, and RSS figures (max over workers, plus per-worker lists). Raises
-    RuntimeError (with the workers' log tails) when a group fails or exceeds its time bound; the
-    workers are killed by PID in that case.
+    times, the goal, and RSS figures (max over workers, plus per-worker lists).
+
+    A world size whose workers fail or exceed their time bound is killed (by PID) and reported in
+    ``errors`` (``procs``, first line, ``detail`` with the workers' log tails); the other world
+    sizes still run. With ``keep_going=False`` the RuntimeError propagates instead.
     """
     if not procs or any(int(n) < 2 for n in procs):
         raise ValueError(f"procs must be world sizes >= 2, got {procs}")
@@ -82,6 +87,7 @@ def run(procs: list[int], sizes: list[int], iters: int = 10, warmup: int = 2, ch
     log = log or (lambda _msg: None)
     t_start = time.monotonic()
     rows: list[dict] = []
+    errors: list[dict] = []
     server = EmbeddedStoreServer("127.0.0.1", 0)
     server.start()
     workdir = tempfile.mkdtemp(prefix="spotnik-bench-")
@@ -91,7 +97,15 @@ def run(procs: list[int], sizes: list[int], iters: int = 10, warmup: int = 2, ch
             log(f"allreduce bench: {n} processes, sizes {sizes}, {rounds} rounds x {iters} iters "
                 f"(bound {bound:.0f} s)")
             t0 = time.monotonic()
-            reports = _run_group(n, sizes, iters, warmup, rounds, chunk_bytes, server.url, workdir, bound)
+            try:
+                reports = _run_group(n, sizes, iters, warmup, rounds, chunk_bytes, server.url, workdir, bound)
+            except RuntimeError as exc:
+                if not keep_going:
+                    raise
+                first = str(exc).splitlines()[0]
+                errors.append({"procs": n, "error": first, "detail": str(exc)})
+                log(f"allreduce bench: {n} processes FAILED after {time.monotonic() - t0:.1f} s: {first}")
+                continue
             rows.extend(_aggregate(n, sizes, reports))
             log(f"allreduce bench: {n} processes done in {time.monotonic() - t0:.1f} s")
     finally:
@@ -102,7 +116,7 @@ def run(procs: list[int], sizes: list[int], iters: int = 10, warmup: int = 2, ch
     config = {"procs": list(procs), "sizes": list(sizes), "iters": iters, "warmup": warmup, "rounds": rounds,
               "chunk_bytes": chunk_bytes, "dtype": "float32", "torch": torch.__version__,
               "cpus": os.cpu_count(), "busbw": "bytes * 2 * (n - 1) / n / median block time per op, GB/s = 1e9 B/s"}
-    return {"config": config, "rows": rows, "seconds": round(time.monotonic() - t_start, 1)}
+    return {"config": config, "rows": rows, "errors": errors, "seconds": round(time.monotonic() - t_start, 1)}
 
 
 def _run_group(n: int, sizes: list[int], iters: int, warmup: int, rounds: int, chunk_bytes: int, url: str,
@@ -182,6 +196,7 @@ def _aggregate(n: int, sizes: list[int], reports: list[dict]) -> list[dict]:
         row["ratio"] = round(row["spotnik_busbw_gbps"] / row["gloo_busbw_gbps"], 4)
         row["goal"] = goal_for(n)
         row["meets_goal"] = row["ratio"] >= row["goal"]
+        row["rss_setup_mib"] = max(p["rss_setup_mib"] for p in per)
         row["rss_baseline_mib"] = max(p["rss_baseline_mib"] for p in per)
         for b in BACKENDS:
             row[f"rss_peak_{b}_mib"] = max(p["rss_peak_mib"][b] for p in per)
@@ -204,6 +219,8 @@ def format_table(result: dict) -> str:
         lines.append(f"{r['procs']:>5} {r['size']:>8} {r['gloo_busbw_gbps']:>10.3f} {r['spotnik_busbw_gbps']:>13.3f} "
                      f"{r['ratio']:>6.2f}x {r['goal']:>4.1f}x  {r['rss_baseline_mib']:>9.1f} "
                      f"{r['rss_peak_gloo_mib']:>10.1f} {r['rss_peak_spotnik_mib']:>13.1f}  {mark}")
+    for e in result.get("errors", []):
+        lines.append(f"{e['procs']:>5}  FAILED: {e['error']}")
     c = result["config"]
     lines.append(f"float32 all_reduce; median of {c['rounds']} interleaved rounds x {c['iters']} ops; "
                  f"chunk {c['chunk_bytes']} B; {c['cpus']} CPUs; {result['seconds']} s")
@@ -255,19 +272,25 @@ def _worker(args: argparse.Namespace) -> int:
                               collective=timedelta(seconds=120)))
     ring_rank = ring.rank
     resettable = _reset_peak()
+    setup_kib = _status_kib("VmRSS") or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     ops = {"gloo": lambda t: dist.all_reduce(t), "spotnik": lambda t: ring.all_reduce(t)}
     results = []
     try:
         for size in (int(s) for s in args.sizes.split(",")):
             t = torch.empty(size // 4, dtype=torch.float32).uniform_(-1, 1)
+            dist.barrier()
+            # baseline: the tensor allocated, no op of this size run yet; the peaks include the
+            # warmup, so buffers a backend allocates once and keeps are counted against it
+            baseline = _status_kib("VmRSS") or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+            peaks = dict.fromkeys(BACKENDS, 0)
             for b in BACKENDS:
+                if resettable:
+                    _reset_peak()
                 for _ in range(args.warmup):
                     ops[b](t)
-            t.uniform_(-1, 1)
-            dist.barrier()
-            baseline = _status_kib("VmRSS") or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+                    t.uniform_(-1, 1)
+                peaks[b] = _peak_kib(resettable)
             blocks: dict[str, list[float]] = {b: [] for b in BACKENDS}
-            peaks = dict.fromkeys(BACKENDS, 0)
             for rnd in range(args.rounds):
                 for b in (BACKENDS if rnd % 2 == 0 else BACKENDS[::-1]):
                     t.uniform_(-1, 1)  # keep values finite: sum grows by n per op
@@ -280,6 +303,7 @@ def _worker(args: argparse.Namespace) -> int:
                     blocks[b].append(time.perf_counter() - t0)
                     peaks[b] = max(peaks[b], _peak_kib(resettable))
             results.append({"size_bytes": size, "iters": args.iters, "blocks": blocks,
+                            "rss_setup_mib": round(setup_kib / 1024, 1),
                             "rss_baseline_mib": round(baseline / 1024, 1),
                             "rss_peak_mib": {b: round(v / 1024, 1) for b, v in peaks.items()},
                             "peak_scope": "block" if resettable else "process"})

@@ -412,13 +412,18 @@ def _linger(ring: RingGroup, timeout: float) -> None:
         return
     deadline = time.monotonic() + timeout
     try:
-        ring.store.put(f"closed.{ring.member_id}", str(ring.epoch))
+        _announce(ring)
         while time.monotonic() < deadline and ring.state in ("running", "repairing"):
             if all(ring.store.get(f"closed.{m}") is not None for m in ring.membership.ids):
                 return
             time.sleep(0.02)
     except SpotnikError as exc:  # the store is gone (e.g. rank 0 exited): nobody to wait for
         log.debug("linger of %s ended: %s", ring.member_id, exc)
+
+
+def _announce(ring: RingGroup) -> None:
+    """Tell the other members (through the store) that this member is closing (idempotent)."""
+    ring.store.put(f"closed.{ring.member_id}", str(ring.epoch))
 
 
 def _close_ring(ring: RingGroup) -> None:
@@ -438,7 +443,13 @@ def _close_ring(ring: RingGroup) -> None:
 def _close_all_at_exit(join_timeout: float = 5.0) -> None:
     """atexit hook: close every ring still open, then join the ring threads (bounded)."""
     with _LIVE_LOCK:
-        rings = list(_LIVE)  # their lingers overlap: each waits for the others' announcements
+        rings = list(_LIVE)
+    for ring in rings:  # announce every ring first, so the lingers below do not wait in turn
+        try:
+            if ring.state in ("running", "repairing"):
+                _announce(ring)
+        except SpotnikError as exc:
+            log.debug("announcing the close of %s failed: %s", ring.member_id, exc)
     for ring in rings:
         try:
             _close_ring(ring)
@@ -633,9 +644,14 @@ class ProcessGroupSpotnik(dist.ProcessGroup):
             if self._pending is None:
                 self._pending = err
 
-    def _run(self, name: str, result: list[torch.Tensor], body: Callable[[], None]) -> SpotnikWork:
+    def _run(self, name: str, result: list[torch.Tensor], body: Callable[[], None],
+             single: bool = False) -> SpotnikWork:
         """Run ``body`` on the ring; record a ring failure instead of raising it (the fault
-        contract). ConfigError (bad arguments) and non-spotnik exceptions propagate."""
+        contract). ConfigError (bad arguments) and non-spotnik exceptions propagate.
+
+        Unless ``body`` is one ring operation (``single``), an epoch change while it ran counts as
+        a failure too: its parts ran on different memberships, or it sliced by a stale rank.
+        """
         if self._shut:
             raise ConfigError(f"{name} on a spotnik process group that was shut down")
         epoch = self.ring.epoch
@@ -646,7 +662,7 @@ class ProcessGroupSpotnik(dist.ProcessGroup):
         except SpotnikError as exc:
             self._fail(name, epoch, exc)
             return SpotnikWork(self, name, result, exc)
-        if self.ring.epoch != epoch:  # a repair slipped in between two ring ops of a composite
+        if not single and self.ring.epoch != epoch:
             err = MembershipChanged(epoch, self.ring.epoch, f"membership changed during {name}")
             self._fail(name, epoch, err)
             return SpotnikWork(self, name, result, err)
@@ -663,7 +679,7 @@ class ProcessGroupSpotnik(dist.ProcessGroup):
             for t in tensors:
                 self._all_reduce(t, op)
 
-        return self._run("allreduce", tensors, body)
+        return self._run("allreduce", tensors, body, single=len(tensors) == 1)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: object = None) -> SpotnikWork:
         return self.allreduce(tensors, opts)
@@ -679,7 +695,7 @@ class ProcessGroupSpotnik(dist.ProcessGroup):
             for t in tensors:
                 self._broadcast(t, root)
 
-        return self._run("broadcast", tensors, body)
+        return self._run("broadcast", tensors, body, single=len(tensors) == 1)
 
     def _gather_flat(self, inp: torch.Tensor) -> torch.Tensor:
         """Every member's ``inp`` (flattened), concatenated in rank order."""
@@ -716,7 +732,7 @@ class ProcessGroupSpotnik(dist.ProcessGroup):
     def all_gather_single(self, output: torch.Tensor, inp: torch.Tensor, opts: object = None) -> SpotnikWork:
         """``output`` (size x ``inp.numel()`` elements) receives every rank's ``inp`` in rank order."""
         _cpu([output, inp], "all_gather_into_tensor")
-        return self._run("all_gather_into_tensor", [output], lambda: self._all_gather(output, inp))
+        return self._run("all_gather_into_tensor", [output], lambda: self._all_gather(output, inp), single=True)
 
     _allgather_base = all_gather_single
 
@@ -868,7 +884,7 @@ class ProcessGroupSpotnik(dist.ProcessGroup):
 
     def barrier(self, opts: object = None) -> SpotnikWork:
         """Complete once every member entered the barrier."""
-        return self._run("barrier", [], self.ring.barrier)
+        return self._run("barrier", [], self.ring.barrier, single=True)
 
     def monitored_barrier(self, opts: object = None, wait_all_ranks: bool = False) -> None:
         """A plain barrier that raises the ring error (if any) at once."""
@@ -884,7 +900,7 @@ class ProcessGroupSpotnik(dist.ProcessGroup):
             for t in tensors:
                 self._send(t, dst)
 
-        return self._run("send", tensors, body)
+        return self._run("send", tensors, body, single=len(tensors) == 1)
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> SpotnikWork:
         """Fill each tensor with what rank ``src`` sends."""
@@ -896,7 +912,7 @@ class ProcessGroupSpotnik(dist.ProcessGroup):
             for t in tensors:
                 self._recv(t, src)
 
-        return self._run("recv", tensors, body)
+        return self._run("recv", tensors, body, single=len(tensors) == 1)
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> SpotnikWork:
         raise NotImplementedError("the spotnik backend does not support recv from any source")

@@ -305,9 +305,14 @@ class RingGroup(RepairMixin):
         self._p2p(send=send, recv=recv, peer_rank=peer)
 
     def _contiguous(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` itself when its memory is one dense run, else a dense copy (the caller
+        copies results back). A size-1 dimension may be 'contiguous' with any stride, so the
+        flat view is checked too."""
         if not isinstance(tensor, torch.Tensor) or tensor.device.type != "cpu":
             raise ConfigError("spotnik collectives take CPU tensors")
-        return tensor if tensor.is_contiguous() else tensor.contiguous()
+        if tensor.is_contiguous() and (tensor.numel() <= 1 and tensor.dim() == 0 or tensor.view(-1).stride(0) == 1):
+            return tensor
+        return torch.empty_like(tensor, memory_format=torch.contiguous_format).copy_(tensor)
 
     def _check_rank(self, r: int) -> None:
         if not 0 <= r < self.size:
@@ -354,9 +359,16 @@ class RingGroup(RepairMixin):
             seq = self._seq
             self._seq += 1
             op = Op(epoch, seq, "ring", pred, succ, flat, frames, reduce_op, n)
+        if n > 1 and (sends or any(f.forward for f in frames)):
+            # Queue the initial sends before the reader can see the op: its forwards must take
+            # frame indices after them, or the receiver would match pieces to the wrong ranges.
+            self._start_sends("ring", op, sends)
+        with self._cv:
+            if op.error is None and (self._state != RUNNING or self._membership.epoch != epoch):
+                op.fail(_Interrupted("membership changed while the collective started"))
             self._ops["ring"] = op
             self._cv.notify_all()
-        self._drive(name, op, sends, need_link=n > 1 and (bool(sends) or any(f.forward for f in frames)))
+        self._drive(name, op, None, need_link=False)
 
     def _p2p(self, peer_rank: int, send: torch.Tensor | None = None, recv: torch.Tensor | None = None) -> None:
         for t in (send, recv):
@@ -370,8 +382,8 @@ class RingGroup(RepairMixin):
                 if send is not None and recv is not None:
                     recv.copy_(send)
                 return
-            s_flat = send.contiguous().view(-1) if send is not None else None
-            r_work = recv if recv is None or recv.is_contiguous() else recv.contiguous()
+            s_flat = self._contiguous(send).view(-1) if send is not None else None
+            r_work = recv if recv is None else self._contiguous(recv)
             r_flat = r_work.view(-1) if r_work is not None else None
             out_seq = self._p2p_seq.get((peer, "out"), 0)
             in_seq = self._p2p_seq.get((peer, "in"), 0)
@@ -414,10 +426,7 @@ class RingGroup(RepairMixin):
             op.fail(_Interrupted(f"no link to {op.dst}"))
             return
         for a, b in sends:
-            idx = op.take_send_idx()
-            hdr = wire.pack_header(wire.KIND_DATA, op.epoch, op.seq, idx, b - a)
-            if not link.send(hdr, op.mv[a:b], op.sent):
-                op.unsent()
+            if not op.send_piece(link, a, b):
                 op.fail(_Interrupted(f"link to {op.dst} failed"))
                 return
 
@@ -501,10 +510,7 @@ class RingGroup(RepairMixin):
         if fr.forward and op.error is None:
             link = self._out.get((op.dst, "ring")) or self._out_link(
                 op.dst, "ring", self.timeouts.connect.total_seconds())
-            i = op.take_send_idx()
-            hdr = wire.pack_header(wire.KIND_DATA, op.epoch, op.seq, i, fr.stop - fr.start)
-            if link is None or not link.send(hdr, op.mv[fr.start:fr.stop], op.sent):
-                op.unsent()
+            if link is None or not op.send_piece(link, fr.start, fr.stop):
                 op.fail(_Interrupted(f"link to {op.dst} failed"))
 
     @staticmethod

@@ -15,6 +15,8 @@ from collections.abc import Callable
 
 import torch
 
+from spotnik_lightning.ring import wire
+from spotnik_lightning.ring.links import OutLink
 from spotnik_lightning.ring.plans import COPY, Frame
 
 REDUCE_OPS = ("sum", "avg", "min", "max", "product")
@@ -73,24 +75,22 @@ class Op:
         self.cv = threading.Condition()
 
     # -- sending ------------------------------------------------------------------------------
-    def take_send_idx(self) -> int:
+    def send_piece(self, link: OutLink, start: int, stop: int) -> bool:
+        """Number bytes [start, stop) as our next frame and queue it on ``link``, atomically (the
+        caller's thread and the reader thread both send). False if the link refused it."""
         with self.cv:
-            i = self.send_idx
+            hdr = wire.pack_header(wire.KIND_DATA, self.epoch, self.seq, self.send_idx, stop - start)
+            if not link.send(hdr, self.mv[start:stop], self.sent):
+                return False
             self.send_idx += 1
             self.sends_pending += 1
-            return i
+            return True
 
     def sent(self) -> None:
         with self.cv:
             self.sends_pending -= 1
             if self.sends_pending == 0:
                 self.cv.notify_all()
-
-    def unsent(self) -> None:
-        """A queued send was refused (link failed); the op cannot complete."""
-        with self.cv:
-            self.sends_pending -= 1
-            self.cv.notify_all()
 
     # -- receiving (reader thread) ------------------------------------------------------------
     def begin_frame(self, idx: int, length: int) -> Frame | str:
