@@ -93,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     ar.add_argument("--iters", type=_positive_int, default=10, metavar="K", help="all-reduces per timed block")
     ar.add_argument("--warmup", type=_nonneg_int, default=2, help="untimed all-reduces per backend and size")
     ar.add_argument("--rounds", type=_positive_int, default=5, help="interleaved timed rounds (median taken)")
-    ar.add_argument("--chunk-bytes", type=_size, default=1 << 20, help="spotnik ring chunk size (default 1MiB)")
+    ar.add_argument("--chunk-bytes", type=_size, default=4 << 20, help="spotnik ring chunk size (default 4MiB)")
     ar.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     # only listed here: main() hands everything after "bench recovery" to that module's main()
     bsub.add_parser("recovery", help="time to repair the ring after a failure (see spotnik bench recovery -h)")

@@ -125,7 +125,7 @@ class RingGroup(RepairMixin):
     def create(cls, store: MembershipStore, *, world_size: int | None = None, member_id: str | None = None,
                host: str = "127.0.0.1", port: int = 0, advertise_host: str | None = None,
                tier: str = "transient", secret: bytes | str | None = None,
-               timeouts: RingTimeouts | None = None, chunk_bytes: int = 1 << 20,
+               timeouts: RingTimeouts | None = None, chunk_bytes: int = 4 << 20,
                register_ttl: timedelta = timedelta(seconds=10)) -> RingGroup:
         """Bind the ring port, register in ``store`` and enter the ring.
 
