@@ -22,7 +22,7 @@ import time
 import torch
 from torch import nn
 
-STEPS = 150
+STEPS = 600
 BATCH = 32
 
 
@@ -49,16 +49,23 @@ def worker(args: argparse.Namespace) -> int:
     x = torch.randn(8192, 16, generator=g)
     y = x @ torch.randn(16, 1, generator=g) + 0.1 * torch.randn(8192, 1, generator=g)
     params = list(model.parameters())
-    step, sync = 0, not args.world  # a joiner first receives the state
+    # After every membership change (a joiner arrived, or a kill left survivors possibly one
+    # committed step apart) the members agree on the state: the most advanced member donates its
+    # parameters and step counter. The ring reports each change once to every member, so all of
+    # them run this in the same order.
+    step, sync = 0, not args.world
     emit(ev="ready", id=args.id, epoch=ring.epoch, world=ring.size)
     while step < STEPS:
         try:
-            if sync:  # state transfer from rank 0: parameters and the step counter
+            if sync:
+                steps = torch.empty(ring.size, dtype=torch.int64)
+                ring.all_gather(steps, torch.tensor([step]))
+                donor = int(torch.argmax(steps))
                 flat = torch.cat([p.detach().view(-1) for p in params] + [torch.tensor([float(step)])])
-                ring.broadcast(flat, 0)
+                ring.broadcast(flat, donor)
                 torch.nn.utils.vector_to_parameters(flat[:-1], params)
                 step, sync = int(flat[-1].item()), False
-                emit(ev="synced", id=args.id, step=step, epoch=ring.epoch)
+                emit(ev="synced", id=args.id, step=step, epoch=ring.epoch, donor=ring.membership.ids[donor])
             if step % 5 == 0 and ring.admit():
                 sync = True
                 continue
@@ -72,11 +79,12 @@ def worker(args: argparse.Namespace) -> int:
             ring.all_reduce(grads, "avg")  # raises MembershipChanged if a peer died meanwhile
         except MembershipChanged as exc:
             emit(ev="retry", id=args.id, step=step, old=exc.old_epoch, new=exc.new_epoch)
+            sync = True
             continue
         torch.nn.utils.vector_to_parameters(grads, [p.grad for p in params])
         opt.step()
         step += 1
-        if step % 25 == 0 or step == STEPS:
+        if step % 100 == 0 or step == STEPS:
             digest = hashlib.sha256(torch.cat([p.detach().view(-1) for p in params]).numpy().tobytes()).hexdigest()
             emit(ev="step", id=args.id, step=step, loss=round(loss.item(), 4), world=n, epoch=m.epoch,
                  params=digest[:12])
@@ -118,16 +126,16 @@ def main() -> int:
         try:
             for i in range(4):
                 launch(f"w{i}", 4)
-            wait(lambda e: e["ev"] == "step" and e["step"] >= 25, 120, "step 25")
+            wait(lambda e: e["ev"] == "step" and e["step"] >= 100, 120, "step 100")
             t_kill = time.time()
             procs["w2"].kill()
             print(f"[{t_kill - t0:6.2f}s] demo: SIGKILL w2 (pid {procs['w2'].pid})")
-            wait(lambda e: e["ev"] == "step" and e["step"] >= 75 and e["world"] == 3, 120, "training on 3")
+            wait(lambda e: e["ev"] == "synced" and e["epoch"] >= 2, 120, "the repair")
             launch("w4", 0)
             print(f"[{time.time() - t0:6.2f}s] demo: started w4 (joins the running job)")
             for mid in ("w0", "w1", "w3", "w4"):
                 wait(lambda e, m=mid: e["ev"] == "step" and e["id"] == m and e["step"] == STEPS, 180, f"{mid} done")
-            for mid, p in procs.items():
+            for p in procs.values():
                 p.wait(timeout=30)
         finally:
             for p in procs.values():

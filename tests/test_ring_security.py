@@ -30,7 +30,13 @@ import pytest
 import torch
 from helpers import wait_until
 
-from spotnik_lightning.api import EpochFencedError, MembershipTimeoutError, ProtocolError, RingTimeouts
+from spotnik_lightning.api import (
+    EpochFencedError,
+    MembershipChanged,
+    MembershipTimeoutError,
+    ProtocolError,
+    RingTimeouts,
+)
 from spotnik_lightning.membership import EmbeddedStoreServer, open_store
 from spotnik_lightning.ring import RingGroup, wire
 from spotnik_lightning.ring.state import FENCED, RUNNING
@@ -85,25 +91,33 @@ def on_all(items: Sequence[Any], fn: Callable[[int, Any], Any], timeout: float =
     return results
 
 
-def all_reduce_everywhere(groups: Sequence[RingGroup]) -> list[torch.Tensor]:
-    """Every group all-reduces a tensor holding (member index + 1); returns the results."""
+def all_reduce_everywhere(groups: Sequence[RingGroup], changed: bool = False) -> list[torch.Tensor]:
+    """Every group all-reduces a tensor holding (member index + 1); returns the results. With
+    ``changed``, the membership changed since the last collective: by contract each member's first
+    collective then raises MembershipChanged once, and is retried."""
 
     def reduce(_: int, g: RingGroup) -> torch.Tensor:
-        t = torch.full((1000,), float(int(g.member_id[1:]) + 1))
-        g.all_reduce(t)
-        return t
+        for attempt in range(2):
+            t = torch.full((1000,), float(int(g.member_id[1:]) + 1))
+            try:
+                g.all_reduce(t)
+                return t
+            except MembershipChanged:
+                if not changed or attempt:
+                    raise
+        raise AssertionError("unreachable")
 
     return on_all(groups, reduce)
 
 
-def assert_healthy(groups: Sequence[RingGroup], epoch: int, ids: Sequence[str]) -> None:
+def assert_healthy(groups: Sequence[RingGroup], epoch: int, ids: Sequence[str], changed: bool = False) -> None:
     """Every group is running at ``epoch`` with exactly ``ids`` and computes a correct all_reduce."""
     for g in groups:
         assert g.state == RUNNING, f"{g.member_id} is {g.state}"
         assert g.epoch == epoch, f"{g.member_id} at epoch {g.epoch}, expected {epoch}"
         assert sorted(g.membership.ids) == sorted(ids), f"{g.member_id} sees {g.membership.ids}"
     expected = float(sum(int(i[1:]) + 1 for i in ids))
-    for g, t in zip(groups, all_reduce_everywhere(groups), strict=True):
+    for g, t in zip(groups, all_reduce_everywhere(groups, changed), strict=True):
         assert torch.equal(t, torch.full((1000,), expected)), f"{g.member_id}: {t[:4]} != {expected}"
     # the collective itself must not have changed anything either
     for g in groups:
@@ -391,7 +405,7 @@ def test_garbage_from_an_authenticated_member_changes_the_epoch(ring: list[RingG
     fenced = [g for g in ring if g.state == FENCED]
     assert running, "nobody survived"
     assert sorted(g.member_id for g in running) == sorted(stored.ids), (stored, [g.state for g in ring])
-    assert_healthy(running, stored.epoch, list(stored.ids))
+    assert_healthy(running, stored.epoch, list(stored.ids), changed=True)
     for g in fenced:
         assert g.member_id not in stored.ids
         with pytest.raises(EpochFencedError):

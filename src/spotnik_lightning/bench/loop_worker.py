@@ -68,23 +68,27 @@ def run(cfg: dict) -> int:
     max_iters = int(cfg.get("iters", 1 << 62))
     mine = float(value_of(mid))
     last_epoch, k, code = -1, 0, 0
-    sync = cfg.get("world_size") is None  # a joiner first receives the loop counter (state transfer)
+    # After any membership change all members agree on the loop counter (the highest committed
+    # one wins): a joiner starts at 0, and a kill during the last all-gather can leave survivors
+    # one iteration apart. The ring reports every change once to every member, so they all
+    # resynchronise in the same collective order.
+    sync = cfg.get("world_size") is None
     try:
         while time.monotonic() < deadline and k < max_iters:
-            m = ring.membership
             t = torch.full((numel,), mine)
             try:
                 if sync:
                     step = torch.tensor([k], dtype=torch.int64)
-                    ring.broadcast(step, 0)  # members run the same broadcast after admit()
+                    ring.all_reduce(step, "max")
                     k, sync = int(step.item()), False
-                    m = ring.membership
                 if admit_every and k % admit_every == 0 and ring.admit():
                     sync = True
                     continue
+                m = ring.membership
                 ring.all_reduce(t)
             except MembershipChanged as exc:
                 emit(ev="changed", id=mid, old=exc.old_epoch, new=exc.new_epoch)
+                sync = True
                 continue
             k += 1
             expected = float(sum(value_of(i) for i in m.ids))

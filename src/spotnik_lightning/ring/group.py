@@ -88,6 +88,7 @@ class RingGroup(RepairMixin):
         self._ttl = register_ttl
         self._cv = threading.Condition(threading.RLock())
         self._membership = Membership(0, ())
+        self._observed = 0  # the epoch the caller last saw (see _enter_op)
         self._state = STARTING
         self._error: BaseException | None = None
         self._seq = 0
@@ -152,6 +153,8 @@ class RingGroup(RepairMixin):
         except BaseException:
             group.close()
             raise
+        with group._cv:
+            group._observed = group._membership.epoch
         return group
 
     def _enter(self, world_size: int | None) -> None:
@@ -319,13 +322,21 @@ class RingGroup(RepairMixin):
             raise ConfigError(f"rank {r} out of range for world size {self.size} (epoch {self.epoch})")
 
     def _enter_op(self) -> tuple[int, Membership]:
-        """Wait out a repair in progress; raise if it changed the membership. Call with lock held."""
-        if self._state == REPAIRING or self._state == STARTING:
-            old = self._membership.epoch
-            self._wait_not_repairing_locked(old, "collective")
-            raise MembershipChanged(old, self._membership.epoch, "membership changed before the collective")
+        """Wait out a repair in progress; raise MembershipChanged if the membership changed since
+        this caller last observed it. Call with the lock held.
+
+        Contract: every member observes each membership change (other than an admission it took
+        part in through :meth:`admit`) as exactly one MembershipChanged, raised by its first
+        collective at or after the change — also when its previous collective completed just
+        before the change while a peer's did not. So all survivors can resynchronise in step.
+        """
+        if self._state in (REPAIRING, STARTING):
+            self._wait_not_repairing_locked(self._membership.epoch, "collective")
         if self._state != RUNNING:
             raise self._error or RingBrokenError(f"ring is {self._state} (member {self.me.id})")
+        if self._membership.epoch != self._observed:
+            old, self._observed = self._observed, self._membership.epoch
+            raise MembershipChanged(old, self._observed, "membership changed since the last collective")
         return self._membership.epoch, self._membership
 
     def _wait_not_repairing_locked(self, old_epoch: int, what: str) -> None:
@@ -349,8 +360,6 @@ class RingGroup(RepairMixin):
             # connect before the op is visible, so the reader can forward at once
             self._out_link(succ, "ring", self.timeouts.connect.total_seconds())
         with self._cv:
-            if self._membership.epoch != epoch:
-                raise MembershipChanged(epoch, self._membership.epoch, "membership changed before the collective")
             epoch, m = self._enter_op()
             ids = list(m.ids)
             n, rank = len(ids), ids.index(self.me.id)
@@ -446,7 +455,8 @@ class RingGroup(RepairMixin):
         except _Interrupted as exc:
             with self._cv:
                 self._wait_not_repairing_locked(op.epoch, name)
-                raise MembershipChanged(op.epoch, self._membership.epoch, str(exc)) from None
+                self._observed = self._membership.epoch
+                raise MembershipChanged(op.epoch, self._observed, str(exc)) from None
         except (EpochFencedError, RingBrokenError):
             raise
         finally:

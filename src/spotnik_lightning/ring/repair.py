@@ -385,6 +385,7 @@ class RepairMixin:
                 raise self._error or RingBrokenError(f"ring is {self._state}")
             self._wait_not_repairing_locked(old.epoch, "admit")
             new = self._membership
+            self._observed = new.epoch  # the caller learns of the admission from our return value
         if any(i not in new for i in old.ids):
             raise MembershipChanged(old.epoch, new.epoch, "members were lost while admitting joiners")
         return [m for m in new.members if m.id not in old]
