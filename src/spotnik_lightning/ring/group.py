@@ -626,19 +626,37 @@ class RingGroup(RepairMixin):
         ``notice``, first send it on the ring link (best effort, flushed for up to 100 ms)."""
         with self._links_lock:
             links = [self._out.pop(k) for k in list(self._out) if k[0] == peer]
+        notified = False
         for link in links:
             self._monitor.unwatch(link)
             flush = 0.0
             if notice is not None and link.channel == "ring":
                 payload = wire.encode_ctrl(notice)
-                link.send(wire.pack_header(wire.KIND_CTRL, self.epoch, 0, 0, len(payload)) + payload, data=False)
+                notified = link.send(wire.pack_header(wire.KIND_CTRL, self.epoch, 0, 0, len(payload)) + payload,
+                                     data=False)
                 flush = 0.1
             threading.Thread(target=link.close, args=(flush,), daemon=True).start()
+        if notice is not None and not notified:
+            # no link to carry it: connect just for the notice, briefly, off every hot thread
+            threading.Thread(target=self._notify_excluded, args=(peer, notice), daemon=True).start()
         for sock in self._inbound.get(peer, []):
             try:
                 sock.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
+
+    def _notify_excluded(self, peer: str, notice: dict) -> None:
+        member = self._known.get(peer)
+        if member is None or self._state == CLOSED:
+            return
+        timeout = min(1.0, 2 * self.timeouts.heartbeat_timeout.total_seconds())
+        try:
+            with socket.create_connection(member.address, timeout=timeout) as sock:
+                wire.handshake_connect(sock, self._secret, self.run_id, wire.Hello(self.me.id, "ring"))
+                payload = wire.encode_ctrl(notice)
+                sock.sendall(wire.pack_header(wire.KIND_CTRL, self.epoch, 0, 0, len(payload)) + payload)
+        except (OSError, ConnectionError, ProtocolError):
+            pass  # dead or unreachable: nothing to tell
 
     def _send_ctrl(self, peer: str, msg: dict) -> bool:
         """Send a control message (or deliver it locally when ``peer`` is me). Blocks on the
@@ -712,7 +730,7 @@ class RingGroup(RepairMixin):
     def _control_loop(self) -> None:
         while True:
             fn = self._ctrl_q.get()
-            if fn is None:
+            if fn is None or self._state == CLOSED:
                 return
             try:
                 fn()

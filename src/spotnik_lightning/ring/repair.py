@@ -37,7 +37,7 @@ from spotnik_lightning.api import (
 )
 from spotnik_lightning.membership.types import Member, Membership
 from spotnik_lightning.ring.events import MembershipEvent
-from spotnik_lightning.ring.state import CLOSED, FENCED, REPAIRING, RUNNING
+from spotnik_lightning.ring.state import CLOSED, FENCED, LEAVING, REPAIRING, RUNNING
 from spotnik_lightning.ring.state import Interrupted as _Interrupted
 
 log = logging.getLogger("spotnik.ring")
@@ -80,7 +80,6 @@ class RepairMixin:
         self._close_links_to(peer, notice)
 
     def _begin_repair_locked(self, reason: str) -> None:
-
         if self._state == RUNNING:
             self._state = REPAIRING
             self._repair_t0 = self._repair_progress = time.monotonic()
@@ -128,7 +127,17 @@ class RepairMixin:
     # ------------------------------------------------------------------ control messages
     def _on_ctrl(self, peer: str, msg: dict) -> None:
         kind = msg.get("t")
+        if kind in ("rec", "acc", "ex", "lv") and peer != self.me.id:
+            with self._cv:
+                member = peer in self._membership
+            if not member:
+                # repair traffic only comes from members; an authenticated outsider (or a member
+                # already removed) cannot start, steer or end a repair: drop its connection
+                raise ProtocolError(f"{kind!r} message from {peer}, not a member at epoch {self._membership.epoch}")
         try:
+            if kind in ("rec", "acc"):  # validate every field before any state changes
+                msg = {"t": kind, "base": int(msg["base"]), "dead": [str(d) for d in msg["dead"]],
+                       "origin": str(msg["origin"]), **({"round": int(msg["round"])} if kind == "rec" else {})}
             if kind == "rec":
                 self._on_reconcile(peer, msg)
             elif kind == "acc":
@@ -140,7 +149,12 @@ class RepairMixin:
             elif kind == "lv":
                 self._suspect(peer, "left the ring")
             elif kind == "ex":
+                int(msg["base"])
                 with self._cv:
+                    # an accusation from a peer we already accused is the mirror image of ours:
+                    # the epoch CAS decides between us, not whichever notice arrived first
+                    if peer in self._dead:
+                        return
                     if int(msg["base"]) == self._membership.epoch and self._state in (RUNNING, REPAIRING):
                         self._fence_locked(f"excluded by {peer} at epoch {msg['base']}: {msg.get('reason')}")
             else:
@@ -156,10 +170,12 @@ class RepairMixin:
         return base == self._membership.epoch
 
     def _on_reconcile(self, peer: str, msg: dict) -> None:
-
         with self._cv:
             if self._state not in (RUNNING, REPAIRING) or not self._base_ok_locked(int(msg["base"])):
                 return
+            origin, rnd = msg["origin"], msg["round"]
+            if origin not in self._membership or origin in self._dead:
+                return  # a dead (or unknown) origin's token must not spread its view any further
             incoming = set(msg["dead"]) & set(self._membership.ids)
             if self.me.id in incoming:
                 self._fence_locked(f"peers declared {self.me.id} dead at epoch {self._membership.epoch}")
@@ -167,7 +183,6 @@ class RepairMixin:
             self._begin_repair_locked(f"reconcile from {peer}")
             new = incoming - self._dead
             self._dead |= incoming
-            origin, rnd = msg["origin"], int(msg["round"])
             if origin == self.me.id:
                 if rnd != self._token_round:
                     return  # superseded by a newer token of mine
@@ -178,29 +193,30 @@ class RepairMixin:
                     self._ctrl(lambda: self._send_ring_next(acc))
                 else:
                     self._originate_locked()
-            elif origin not in self._dead:
+            else:
                 fwd = dict(msg, dead=sorted(self._dead))
                 self._ctrl(lambda: self._send_ring_next(fwd))
         for p in new:
             self._close_links_to(p)
 
     def _on_accept_msg(self, peer: str, msg: dict) -> None:
-
         with self._cv:
             if self._state not in (RUNNING, REPAIRING) or not self._base_ok_locked(int(msg["base"])):
                 return
             acc_dead = set(msg["dead"])
+            origin = msg["origin"]
+            if origin not in self._membership or origin in self._dead:
+                return
             if self.me.id in acc_dead:
                 self._fence_locked(f"peers accepted a membership without {self.me.id}")
                 return
             self._begin_repair_locked(f"accept from {peer}")
-            origin = msg["origin"]
             if origin == self.me.id:
                 if self._accepting == frozenset(acc_dead) == frozenset(self._dead):
                     base = self._membership.epoch
                     self._ctrl(lambda: self._commit(base, frozenset(acc_dead)))
                 return
-            if origin in self._dead or not self._dead <= acc_dead:
+            if not self._dead <= acc_dead:
                 return  # we know more: our own token carries the larger dead set
             new = acc_dead - self._dead
             self._dead |= acc_dead
@@ -211,12 +227,23 @@ class RepairMixin:
     def _commit(self, base: int, dead: frozenset[str]) -> None:
         """Control thread: the fencing CAS for epoch base+1, then restart along the view."""
         with self._cv:
-            if self._membership.epoch != base or frozenset(self._dead) != dead:
+            if self._state != REPAIRING or self._membership.epoch != base or frozenset(self._dead) != dead:
                 return
             view = self._view_locked()
+            old_size = self._membership.size
             proposal = self._membership.without(set(dead), epoch=base + 1)
+        if old_size > 2 and 2 * len(view) <= old_size:
+            # We kept at most half the ring: we may be the cut-off side of a partition rather than
+            # the survivors of many revocations. Give a larger side a head start at the CAS.
+            time.sleep(2 * self.timeouts.heartbeat_timeout.total_seconds())
+            with self._cv:
+                if self._state != REPAIRING or self._membership.epoch != base:
+                    return
         deadline = self._repair_t0 + self.timeouts.repair.total_seconds()
         while True:
+            with self._cv:
+                if self._state != REPAIRING:
+                    return  # closed (or fenced) while waiting: commit nothing
             try:
                 won, current = self.store.cas_membership(base, proposal)
                 break
@@ -247,7 +274,6 @@ class RepairMixin:
             self._adopt_locked(m, "join" if self.me.id not in self._membership else "repair")
 
     def _on_join(self, peer: str, msg: dict) -> None:
-
         member = Member.from_dict(msg["member"])
         with self._cv:
             if self._state not in (RUNNING, REPAIRING):
@@ -262,7 +288,7 @@ class RepairMixin:
 
     # ------------------------------------------------------------------ install / fence
     def _adopt_locked(self, m: Membership, kind: str) -> None:
-        if m.epoch <= self._membership.epoch:
+        if m.epoch <= self._membership.epoch or self._state in (CLOSED, LEAVING, FENCED):
             return
         if self.me.id in m:
             self._install_locked(m, kind)
@@ -270,7 +296,6 @@ class RepairMixin:
             self._fence_locked(f"epoch {m.epoch} was committed without {self.me.id}", m)
 
     def _install_locked(self, m: Membership, kind: str) -> None:
-
         old = self._membership
         was_repairing = self._state == REPAIRING
         carry = self._dead & set(m.ids)
@@ -310,8 +335,7 @@ class RepairMixin:
             self._ctrl(lambda p=p: self._suspect(p, "dead before epoch change"))
 
     def _fence_locked(self, reason: str, m: Membership | None = None) -> None:
-
-        if self._state == FENCED:
+        if self._state in (FENCED, CLOSED, LEAVING):
             return
         self._error = EpochFencedError(f"{self.me.id} fenced out: {reason}", m.epoch if m else -1,
                                        m.ids if m else ())
@@ -326,7 +350,6 @@ class RepairMixin:
         self._cv.notify_all()
 
     def _broken(self, reason: str) -> None:
-
         with self._cv:
             if self._state in (CLOSED, FENCED):
                 return
