@@ -703,7 +703,7 @@ class RingGroup(RepairMixin):
             if starved:
                 self._last_seen[nb] = now
             # a neighbour never heard from may still be starting up: give it a longer grace
-            elif now - seen > (limit if nb in self._heard else max(5.0, 10 * limit)):
+            elif now - seen > (limit if nb in self._heard else max(2.0, 8 * limit)):
                 self._suspect(nb, f"no heartbeat for {1000 * (now - seen):.0f} ms")
 
     def _keepalive_loop(self) -> None:
