@@ -157,3 +157,39 @@ def test_bad_arguments_are_clear_errors(ring3: list[RingGroup]) -> None:
         RingGroup.create(store, world_size=0)
     with pytest.raises(ConfigError, match="chunk_bytes"):
         RingGroup.create(store, world_size=1, chunk_bytes=1000)
+
+
+def test_leader_watches_etcd_for_joiners(etcd_server) -> None:  # noqa: ANN001 - fixture
+    """On etcd the leader learns of a registration through a watch, without any message from the
+    newcomer; a follower does not watch."""
+    from spotnik_lightning.membership import Member
+
+    groups: list[RingGroup] = [None, None]  # type: ignore[list-item]
+
+    def make(i: int) -> None:
+        groups[i] = RingGroup.create(open_store(etcd_server.url, "watch"), world_size=2, member_id=f"e{i}",
+                                     timeouts=CALM)
+
+    ts = [threading.Thread(target=make, args=(i,)) for i in range(2)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(60)
+    try:
+        leader = next(g for g in groups if g.rank == 0)
+        follower = next(g for g in groups if g.rank == 1)
+        deadline = time.monotonic() + 10
+        while leader._join_watch is None:  # the control thread subscribes after install
+            assert time.monotonic() < deadline, "leader never subscribed to registrations"
+            time.sleep(0.02)
+        assert follower._join_watch is None
+        open_store(etcd_server.url, "watch").register(Member("newcomer", "127.0.0.1", 9), timedelta(seconds=5))
+        deadline = time.monotonic() + 10
+        while "newcomer" not in leader._pending_join:
+            assert time.monotonic() < deadline, "the watch did not report the registration"
+            time.sleep(0.02)
+        assert "newcomer" not in follower._pending_join
+    finally:
+        for g in groups:
+            if g is not None:
+                g.close()

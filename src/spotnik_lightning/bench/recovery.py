@@ -25,7 +25,7 @@ def _pct(xs: list[float], q: float) -> float:
 
 
 def measure(n: int, k: int, trials: int, silent: bool = False, hb_timeout_ms: int = 250,
-            seed: int = 0) -> dict:
+            seed: int = 0, log_level: str | None = None) -> dict:
     """Run ``trials`` revocations of ``k`` random workers out of ``n``; returns latencies (ms)
     of the slowest survivor per trial and of every survivor, plus control messages per worker."""
     rng = random.Random(seed)
@@ -33,7 +33,8 @@ def measure(n: int, k: int, trials: int, silent: bool = False, hb_timeout_ms: in
     with EmbeddedStoreServer() as srv:
         host, port = srv.address
         with LocalCluster(f"embedded://{host}:{port}", f"rec-{uuid.uuid4().hex[:6]}", numel=256,
-                          hb_timeout_ms=hb_timeout_ms, admit_every=5, pace_s=0.005) as c:
+                          hb_timeout_ms=hb_timeout_ms, admit_every=5, pace_s=0.005,
+                          **({"log_level": log_level} if log_level else {})) as c:
             alive = [f"w{i}" for i in range(n)]
             for mid in alive:
                 c.spawn(mid, world_size=n)
@@ -105,7 +106,8 @@ def main(argv: list[str] | None = None) -> int:
     out = []
     for n in args.workers:
         for k in args.kills:
-            out.append(measure(n, k, args.trials, silent=args.silent, hb_timeout_ms=args.hb_timeout_ms))
+            out.append(measure(n, k, args.trials, silent=args.silent, hb_timeout_ms=args.hb_timeout_ms,
+                               log_level=args.log_level))
             if not args.json:
                 r = out[-1]
                 print(f"N={n:3d} K={k} p50={r['p50_ms']:7.1f} p90={r['p90_ms']:7.1f} max={r['max_ms']:7.1f} ms "
@@ -130,6 +132,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--silent", action="store_true", help="SIGSTOP instead of SIGKILL")
     p.add_argument("--hb-timeout-ms", type=int, default=250)
     p.add_argument("--json", action="store_true")
+    p.add_argument("--log-level", default=None, help="workers log at this level to stderr (e.g. INFO)")
     p.add_argument("--plot", default=None, help="write a whisker plot PNG here")
 
 

@@ -283,6 +283,35 @@ class EtcdStore(MembershipStore):
                 log.warning("etcd store: skipping undecodable registration %r: %s", meta.key, exc)
         return out
 
+    def watch_registrations(self, callback: Callable[[Member], None]) -> Callable[[], None] | None:
+        """See base class. An etcd watch on ``members/``: put events become ``callback(member)``.
+        If the watch stream breaks (etcd restarted) it is not re-established; joiners still reach
+        the leader directly."""
+        prefix = self._key("members", "")
+        put_event = self._mod.events.PutEvent
+
+        def on_response(resp: Any) -> None:
+            for ev in getattr(resp, "events", None) or ():  # an exception instead: watch ended
+                if not isinstance(ev, put_event):
+                    continue
+                try:
+                    callback(Member.from_dict(json.loads(ev.value)))
+                except (KeyError, TypeError, ValueError) as exc:
+                    log.warning("etcd store: skipping undecodable registration event: %s", exc)
+
+        with self._lock:
+            idx = self._preferred
+        watch_id = self._call("watch_registrations", lambda c: c.add_watch_prefix_callback(prefix, on_response))
+        client = self._clients[idx]
+
+        def cancel() -> None:
+            try:
+                client.cancel_watch(watch_id)
+            except Exception as exc:  # the channel may be closed already; nothing left to cancel
+                log.debug("etcd store: cancel_watch failed: %s", exc)
+
+        return cancel
+
     def put(self, key: str, value: str) -> None:
         """See base class."""
         if not key:

@@ -6,6 +6,7 @@ The store is touched at bootstrap, once per repair (the epoch CAS) and on joins 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from datetime import timedelta
 
 from spotnik_lightning.membership.types import Member, Membership
@@ -42,7 +43,9 @@ class MembershipStore(ABC):
 
     @abstractmethod
     def keepalive(self, member_id: str) -> None:
-        """Refresh the registration of ``member_id`` (no-op if it expired: call register again)."""
+        """Refresh the registration of ``member_id``. If the store lost it (expired while the
+        worker could not reach the store, or etcd lost the lease), a member registered through this
+        client is registered again with its original ttl; other ids are left alone."""
 
     @abstractmethod
     def unregister(self, member_id: str) -> None:
@@ -51,6 +54,13 @@ class MembershipStore(ABC):
     @abstractmethod
     def registered(self) -> list[Member]:
         """Currently registered (non-expired) members, in registration order."""
+
+    def watch_registrations(self, callback: Callable[[Member], None]) -> Callable[[], None] | None:
+        """Call ``callback(member)`` on a store thread for every registration written after this
+        call, until the returned cancel function is called. Returns None when the store cannot
+        watch (the embedded store: joiners then only ask a ring member directly, which always
+        works). ``callback`` must not block."""
+        return None
 
     @abstractmethod
     def put(self, key: str, value: str) -> None:

@@ -102,6 +102,7 @@ class RingGroup(RepairMixin):
         self._last_seen: dict[str, float] = {}
         self._last_tick = time.monotonic()
         self._heard: set[str] = set()  # neighbours whose heartbeats we have seen at least once
+        self._prev_neighbours: set[str] = set()
         self._pending_join: dict[str, Member] = {}
         self._staging = {"ring": torch.empty(chunk_bytes, dtype=torch.uint8),
                          "p2p": torch.empty(chunk_bytes, dtype=torch.uint8)}
@@ -164,7 +165,8 @@ class RingGroup(RepairMixin):
             if current is not None and current.epoch > 0:
                 if self.me.id in current:
                     with self._cv:
-                        self._install_locked(current, kind="bootstrap")
+                        if self._state != RUNNING:  # else a restart already installed us
+                            self._install_locked(current, kind="bootstrap")
                     return
                 return self._join()
             if world_size is None:
@@ -695,7 +697,13 @@ class RingGroup(RepairMixin):
         # the neighbours: restart their deadlines instead of suspecting them.
         starved = now - self._last_tick > limit / 2
         self._last_tick = now
-        for nb in {pred, succ} - {None}:
+        neighbours = {pred, succ} - {None}
+        for nb in neighbours - self._prev_neighbours:
+            # it only starts sending to us when it becomes our neighbour (e.g. mid-repair, when a
+            # dead member between us drops out of both views): its deadline starts now
+            self._last_seen[nb] = now
+        self._prev_neighbours = neighbours
+        for nb in neighbours:
             member = self._known.get(nb)
             if member is not None:
                 self._monitor.send_heartbeat(member.address, epoch, self.me.id)
@@ -771,6 +779,8 @@ class RingGroup(RepairMixin):
                 op.fail(self._error)
             self._cv.notify_all()
         self._ctrl_q.put(None)
+        if self._join_watch is not None:
+            self._join_watch()
         self._monitor.stop()
         with self._links_lock:
             links = list(self._out.values())

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -58,6 +59,7 @@ class RepairMixin:
         self._repair_progress = 0.0
         self._repair_msgs = 0
         self._detections: list[dict] = []
+        self._join_watch: Callable[[], None] | None = None
 
     # ------------------------------------------------------------------ detection
     def _suspect(self, peer: str, reason: str) -> None:
@@ -328,6 +330,7 @@ class RepairMixin:
         self._cv.notify_all()
         for cb in list(self.listeners):
             cb(event)
+        self._ctrl(self._update_join_watch)
         gone = [i for i in old.ids if i not in m]
         if gone:
             self._ctrl(lambda: [self._close_links_to(p) for p in gone])
@@ -381,6 +384,33 @@ class RepairMixin:
                 self._adopt_locked(m, "repair")
 
     # ------------------------------------------------------------------ joins
+    def _update_join_watch(self) -> None:
+        """Control thread: the leader watches the store for new registrations (where the store can
+        watch); any other member does not."""
+        with self._cv:
+            leader = self._state == RUNNING and self._membership.size and self._membership.members[0].id == self.me.id
+            cancel = self._join_watch
+        if leader and cancel is None:
+            try:
+                self._join_watch = self.store.watch_registrations(self._on_registration) or (lambda: None)
+            except BackendConnectionError as exc:
+                log.warning("%s cannot watch the store for joiners (they can still ask directly): %s",
+                            self.me.id, exc)
+        elif not leader and cancel is not None:
+            self._join_watch = None
+            cancel()
+
+    def _on_registration(self, member: Member) -> None:
+        """Store thread: a worker registered; the leader admits it at the next admit()."""
+        with self._cv:
+            if self._state not in (RUNNING, REPAIRING) or member.id in self._membership:
+                return
+            if self._membership.members[0].id != self.me.id:
+                return
+            self._known[member.id] = member
+            self._pending_join[member.id] = member
+        log.info("%s saw %s register; admitting it at the next admit()", self.me.id, member.id)
+
     def admit(self) -> list[Member]:
         """Admit registered joiners at a step boundary. Every member must call it, in the same
         order relative to collectives. Returns the members added (empty in the common case, which
