@@ -13,7 +13,7 @@ import argparse
 import importlib
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 
 from spotnik_lightning.bench import format_size, parse_size
@@ -46,34 +46,25 @@ def _procs(text: str) -> list[int]:
     return values
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
+def _number(cast: type, minimum: float, strict: bool, what: str) -> Callable[[str], float]:
+    """An argparse type: ``cast(text)`` that must be > minimum (strict) or >= minimum."""
+
+    def parse(text: str) -> float:
+        try:
+            value = cast(text)
+        except ValueError:
+            value = None
+        # written so that NaN fails too
+        if value is None or not (value > minimum or (not strict and value == minimum)):
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
+        return value
+
+    return parse
 
 
-def _nonneg_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = 0.0
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}")
-    return value
+_positive_int = _number(int, 0, True, "a positive integer")
+_nonneg_int = _number(int, 0, False, "a non-negative integer")
+_positive_float = _number(float, 0.0, True, "a positive number of seconds")
 
 
 def build_parser() -> argparse.ArgumentParser:
