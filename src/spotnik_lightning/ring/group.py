@@ -379,7 +379,7 @@ class RingGroup(RepairMixin):
                 op.fail(_Interrupted("membership changed while the collective started"))
             self._ops["ring"] = op
             self._cv.notify_all()
-        self._drive(name, op, None, need_link=False)
+        self._drive(name, op)
 
     def _p2p(self, peer_rank: int, send: torch.Tensor | None = None, recv: torch.Tensor | None = None) -> None:
         for t in (send, recv):
@@ -418,9 +418,9 @@ class RingGroup(RepairMixin):
             self._start_sends("p2p", send_op, plans.pieces((0, nb), self.chunk_bytes, 1))
         try:
             if send_op is not None:
-                self._drive("send", send_op, None, need_link=False)
+                self._drive("send", send_op)
             if recv_op is not None:
-                self._drive("recv", recv_op, None, need_link=False)
+                self._drive("recv", recv_op)
         finally:
             with self._cv:
                 for key, op in (("p2p", recv_op), ("p2p-out", send_op)):
@@ -441,11 +441,9 @@ class RingGroup(RepairMixin):
                 op.fail(_Interrupted(f"link to {op.dst} failed"))
                 return
 
-    def _drive(self, name: str, op: Op, sends: list | None, need_link: bool) -> None:
-        """Start ``op``'s sends and wait for it; translate an interruption into MembershipChanged."""
+    def _drive(self, name: str, op: Op) -> None:
+        """Wait for ``op`` (its sends are queued); translate an interruption into MembershipChanged."""
         try:
-            if need_link:
-                self._start_sends(op.channel, op, sends or [])
             op.wait(self.timeouts.collective.total_seconds(),
                     lambda: f"{name} at {self.me.id}: epoch {op.epoch} seq {op.seq} made no progress for "
                             f"{self.timeouts.collective.total_seconds():.0f} s (receiving from {op.src}, "

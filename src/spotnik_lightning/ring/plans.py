@@ -67,8 +67,9 @@ def allreduce_plan(
     for s in range(n - 1):
         last = s == n - 2
         for a, b in pieces(segs[(rank - s - 1) % n], chunk, itemsize):
-            # the final reduce-scatter step forwards the owned segment as all-gather step 0
-            frames.append(Frame(a, b, REDUCE, forward=not last or n > 1, final=last))
+            # every reduced piece moves on: to the next reduce-scatter step, or — after the final
+            # step, when this rank owns the segment fully reduced — as all-gather step 0
+            frames.append(Frame(a, b, REDUCE, forward=True, final=last))
     for s in range(n - 1):
         for a, b in pieces(segs[(rank - s) % n], chunk, itemsize):
             frames.append(Frame(a, b, COPY, forward=s < n - 2))
