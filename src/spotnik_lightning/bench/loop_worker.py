@@ -2,7 +2,8 @@
 
 Used by the fault tests, the recovery benchmark and the demo. Each member contributes a value
 derived from its id, so every worker can check a result against the membership it ran on.
-Lines: ``ready``, ``ok`` (first success in each epoch, then every ``report_every``), ``bad``
+Lines: ``ready``, ``ok`` (first success in each epoch, then every ``report_every``), ``synced``
+(the loop counter agreed after a membership change: the first collective on it), ``bad``
 (wrong result: must never happen), ``changed`` (MembershipChanged), ``membership`` (an installed
 change, with latency and message count), ``fenced``, ``error``, ``done``.
 """
@@ -79,8 +80,10 @@ def run(cfg: dict) -> int:
             try:
                 if sync:
                     step = torch.tensor([k], dtype=torch.int64)
+                    m = ring.membership
                     ring.all_reduce(step, "max")
                     k, sync = int(step.item()), False
+                    emit(ev="synced", id=mid, k=k, epoch=m.epoch, members=list(m.ids))
                 if admit_every and k % admit_every == 0 and ring.admit():
                     sync = True
                     continue
