@@ -26,7 +26,6 @@ import sys
 import time
 import traceback
 from dataclasses import dataclass, field
-from datetime import timedelta
 
 DTYPES = ("float32", "float64", "float16", "bfloat16", "int32", "int64", "uint8", "bool")
 MIB = 1 << 20
@@ -157,9 +156,7 @@ def _main(argv: list[str] | None = None) -> int:
     import torch
     import torch.distributed as dist
 
-    from spotnik_lightning.api import RingTimeouts
-    from spotnik_lightning.membership import open_store
-    from spotnik_lightning.ring import RingGroup
+    from spotnik_lightning.bench.allreduce import start_gloo_and_ring
 
     torch.set_num_threads(1)
     n = args.world
@@ -170,13 +167,8 @@ def _main(argv: list[str] | None = None) -> int:
     def emit(case: str, ok: bool, error: str = "", info: dict | None = None) -> None:
         out.write(json.dumps({"case": case, "ok": ok, "error": error, "info": info or {}}) + "\n")
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.gloo_port}", rank=args.rank,
-                            world_size=n, timeout=timedelta(seconds=60))
-    store = open_store(args.store, args.run_id)
-    ring = RingGroup.create(
-        store, world_size=n, member_id=f"w{args.rank}", chunk_bytes=args.chunk_bytes,
-        timeouts=RingTimeouts(heartbeat_interval=timedelta(milliseconds=100), heartbeat_timeout=timedelta(seconds=3),
-                              collective=timedelta(seconds=60)))
+    ring = start_gloo_and_ring(args.rank, n, args.gloo_port, args.store, args.run_id, f"w{args.rank}",
+                               args.chunk_bytes, gloo_timeout_s=60, collective_timeout_s=60)
     ring_ranks = [torch.zeros(1, dtype=torch.int64) for _ in range(n)]
     dist.all_gather(ring_ranks, torch.tensor([ring.rank]))
     ring_of_gloo = [int(t.item()) for t in ring_ranks]  # ring rank of gloo rank g
@@ -430,7 +422,7 @@ def _main(argv: list[str] | None = None) -> int:
     if fatal is None:
         dist.barrier()
     ring.close()
-    store.close()
+    ring.store.close()
     dist.destroy_process_group()
     out.close()
     return 0

@@ -258,23 +258,34 @@ def _peak_kib(resettable: bool) -> int:
     return hwm if hwm is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 
 
-def _worker(args: argparse.Namespace) -> int:
-    import torch
+def start_gloo_and_ring(rank: int, world: int, gloo_port: int, store_url: str, run_id: str, member_id: str,
+                        chunk_bytes: int, gloo_timeout_s: float, collective_timeout_s: float) -> object:
+    """In a worker process: the default gloo group (tcp on loopback) and a spotnik RingGroup on
+    ``store_url``, both over the same ``world`` processes, so the two can be compared in one run.
+    Heartbeats are generous (3 s): these comparisons test correctness and speed, not detection."""
     import torch.distributed as dist
 
     from spotnik_lightning.api import RingTimeouts
     from spotnik_lightning.membership import open_store
     from spotnik_lightning.ring import RingGroup
 
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{gloo_port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=gloo_timeout_s))
+    return RingGroup.create(
+        open_store(store_url, run_id), world_size=world, member_id=member_id, chunk_bytes=chunk_bytes,
+        timeouts=RingTimeouts(heartbeat_interval=timedelta(milliseconds=100), heartbeat_timeout=timedelta(seconds=3),
+                              collective=timedelta(seconds=collective_timeout_s)))
+
+
+def _worker(args: argparse.Namespace) -> int:
+    import torch
+    import torch.distributed as dist
+
+
     torch.set_num_threads(1)
     n = args.world
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.gloo_port}", rank=args.rank,
-                            world_size=n, timeout=timedelta(seconds=300))
-    store = open_store(args.store, args.run_id)
-    ring = RingGroup.create(
-        store, world_size=n, member_id=f"bench{args.rank}", chunk_bytes=args.chunk_bytes,
-        timeouts=RingTimeouts(heartbeat_interval=timedelta(milliseconds=100), heartbeat_timeout=timedelta(seconds=3),
-                              collective=timedelta(seconds=120)))
+    ring = start_gloo_and_ring(args.rank, n, args.gloo_port, args.store, args.run_id, f"bench{args.rank}",
+                               args.chunk_bytes, gloo_timeout_s=300, collective_timeout_s=120)
     ring_rank = ring.rank
     resettable = _reset_peak()
     setup_kib = _status_kib("VmRSS") or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -316,7 +327,7 @@ def _worker(args: argparse.Namespace) -> int:
         dist.barrier()
     finally:
         ring.close()
-        store.close()
+        ring.store.close()
         dist.destroy_process_group()
     with open(args.out, "w") as f:
         json.dump({"rank": args.rank, "ring_rank": ring_rank, "sizes": results}, f)
