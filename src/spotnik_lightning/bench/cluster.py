@@ -12,6 +12,7 @@ is safe. Workers write JSON lines to the zygote's stdout (see ``loop_worker``), 
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import select
@@ -20,12 +21,20 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable
 
 
-def _zygote() -> None:
-    import spotnik_lightning.bench.loop_worker as loop_worker
+def _entry(spec: str) -> Callable[[dict], int]:
+    module, _, fn = spec.partition(":")
+    return getattr(importlib.import_module(module), fn)
+
+
+def _zygote(preload: list[str]) -> None:
     import spotnik_lightning.ring  # noqa: F401 - imported before forking, on purpose
+
+    for name in ["spotnik_lightning.bench.loop_worker", *preload]:
+        importlib.import_module(name)
 
     children: set[int] = set()
     os.write(1, b'{"ev":"zygote"}\n')
@@ -62,7 +71,14 @@ def _zygote() -> None:
                 signal.signal(signal.SIGTERM, signal.SIG_DFL)
                 code = 1
                 try:
-                    code = loop_worker.run(cmd["cfg"])
+                    os.environ.update(cmd["cfg"].get("env") or {})
+                    sys.stdout = sys.stderr  # prints go to stderr; fd 1 carries the JSON event lines
+                    code = _entry(cmd["cfg"].get("entry", "spotnik_lightning.bench.loop_worker:run"))(cmd["cfg"])
+                except SystemExit as exc:  # e.g. Lightning's SIGTERMException: a clean, requested exit
+                    code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+                except BaseException:
+                    traceback.print_exc()
+                    raise
                 finally:
                     os._exit(code)
             children.add(pid)
@@ -85,10 +101,11 @@ class LocalCluster:
     """Spawn, kill and observe loop workers. Use as a context manager: exit kills everything
     this cluster started (by PID) and stops the zygote."""
 
-    def __init__(self, store_url: str, run_id: str, netns: str | None = None, **defaults: object) -> None:
+    def __init__(self, store_url: str, run_id: str, netns: str | None = None, preload: tuple[str, ...] = (),
+                 **defaults: object) -> None:
         self.store_url, self.run_id = store_url, run_id
         self.defaults = defaults
-        cmd = [sys.executable, "-m", "spotnik_lightning.bench.cluster", "--zygote"]
+        cmd = [sys.executable, "-m", "spotnik_lightning.bench.cluster", "--zygote", ",".join(preload)]
         if netns:
             cmd = ["ip", "netns", "exec", netns, *cmd]
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0)
@@ -116,8 +133,10 @@ class LocalCluster:
                 self._cv.notify_all()
 
     def spawn(self, member_id: str, **cfg: object) -> int:
-        """Start a worker; returns its PID. cfg: world_size (None = join), numel, hb_timeout_ms,
-        hb_interval_ms, admit_every, pace_s, duration_s, iters, tier, host."""
+        """Start a worker; returns its PID. cfg: ``entry`` ("module:function" taking the cfg dict,
+        default the loop worker), ``env`` (extra environment), and the entry's own keys (loop
+        worker: world_size (None = join), numel, hb_timeout_ms, hb_interval_ms, admit_every,
+        pace_s, duration_s, iters, tier, host)."""
         full = {"store": self.store_url, "run_id": self.run_id, "id": member_id, **self.defaults, **cfg}
         assert self.proc.stdin is not None
         self.proc.stdin.write((json.dumps({"cmd": "spawn", "cfg": full}) + "\n").encode())
@@ -204,7 +223,7 @@ class LocalCluster:
 
 
 if __name__ == "__main__":
-    if sys.argv[1:] == ["--zygote"]:
-        _zygote()
+    if sys.argv[1:2] == ["--zygote"]:
+        _zygote([m for m in (sys.argv[2] if len(sys.argv) > 2 else "").split(",") if m])
     else:
-        sys.exit("usage: python -m spotnik_lightning.bench.cluster --zygote")
+        sys.exit("usage: python -m spotnik_lightning.bench.cluster --zygote [module,module...]")

@@ -1,5 +1,9 @@
-"""Lightning integration (issue 3, in progress): so far the elastic data cursor."""
+"""Lightning integration: :class:`SpotnikStrategy` and its elastic data, commit protocol and state transfer.
 
-from spotnik_lightning.lightning.data import ElasticCursor
+Importing this package imports only the light parts; ``SpotnikStrategy`` (which imports Lightning)
+lives in :mod:`spotnik_lightning.lightning.strategy`.
+"""
 
-__all__ = ["ElasticCursor"]
+from spotnik_lightning.lightning.data import ElasticCursor, StepPlan, linear_lr_scale
+
+__all__ = ["ElasticCursor", "StepPlan", "linear_lr_scale"]

@@ -231,6 +231,15 @@ class RingGroup(RepairMixin):
         return self.me.id
 
     @property
+    def joiners_waiting(self) -> int:
+        """How many registered workers wait to be admitted (known to the leader only; 0 elsewhere).
+        Layers above put it in a collective so every member learns when to call :meth:`admit`."""
+        with self._cv:
+            if not self._membership.members or self._membership.members[0].id != self.me.id:
+                return 0
+            return sum(1 for m in self._pending_join if m not in self._membership)
+
+    @property
     def state(self) -> str:
         return self._state
 

@@ -1,0 +1,135 @@
+"""A Lightning training worker on generated data, reporting JSON lines (tests, example, benchmarks).
+
+The data is a fixed synthetic classification problem (a random "teacher" labels Gaussian inputs;
+no download), each sample carrying its index so tests can check that every sample of an epoch was
+trained on exactly once. Lines: ``ready``, ``commit`` (one per committed step: step, membership,
+indices trained on, attempts, replica hash), ``done`` (final parameter hash and counters),
+``error``. Configuration is the cfg dict (see :func:`run`).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+from spotnik_lightning.api import SpotnikError
+from spotnik_lightning.bench.loop_worker import emit
+from spotnik_lightning.lightning.strategy import CommitInfo, SpotnikStrategy
+from spotnik_lightning.lightning.verify import replica_hash
+
+
+class TeacherData(Dataset):
+    """``n`` samples ``(x, y, index)``: x ~ N(0, 1)^dim, y = argmax of a fixed random linear map."""
+
+    def __init__(self, n: int = 512, dim: int = 16, classes: int = 4, seed: int = 0) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.x = torch.randn(n, dim, generator=g)
+        self.y = (self.x @ torch.randn(dim, classes, generator=g)).argmax(1)
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        return self.x[i], self.y[i], i
+
+
+class MLP(pl.LightningModule):
+    """A small classifier; records the sample indices of its last training batch."""
+
+    def __init__(self, dim: int = 16, hidden: int = 64, classes: int = 4, lr: float = 0.05, optimizer: str = "sgd",
+                 pace_s: float = 0.0, scheduler: bool = True, n_data: int = 512) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(dim, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(),
+                                 nn.Linear(hidden, classes))
+        self.lr, self.opt_name, self.pace_s, self.scheduler, self.n_data = lr, optimizer, pace_s, scheduler, n_data
+        self.last_indices: list[int] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y, idx = batch
+        self.last_indices = idx.tolist()
+        if self.pace_s:
+            time.sleep(self.pace_s)
+        loss = nn.functional.cross_entropy(self.net(x), y)
+        self.log("train_loss", loss, on_step=True, prog_bar=False)
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y, _ = batch
+        acc = (self.net(x).argmax(1) == y).float().mean()
+        self.log("val_acc", acc, sync_dist=True)
+
+    def configure_optimizers(self) -> Any:
+        if self.opt_name == "adam":
+            opt: torch.optim.Optimizer = torch.optim.Adam(self.parameters(), lr=self.lr)
+        else:
+            opt = torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
+        if not self.scheduler:
+            return opt
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.9)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+def build(cfg: dict) -> tuple[MLP, DataLoader, DataLoader | None]:
+    """The model and loaders described by ``cfg`` (shared with the fault-free DDP baseline)."""
+    pl.seed_everything(int(cfg.get("seed", 0)), verbose=False)
+    data = TeacherData(int(cfg.get("n_data", 512)), seed=int(cfg.get("data_seed", 0)))
+    model = MLP(lr=float(cfg.get("lr", 0.05)), optimizer=cfg.get("optimizer", "sgd"),
+                pace_s=float(cfg.get("pace_s", 0.0)), scheduler=bool(cfg.get("scheduler", True)), n_data=len(data))
+    train = DataLoader(data, batch_size=int(cfg.get("batch", 8)), shuffle=bool(cfg.get("shuffle", True)))
+    val = DataLoader(TeacherData(64, seed=99), batch_size=32) if cfg.get("validate") else None
+    return model, train, val
+
+
+def run(cfg: dict) -> int:
+    """cfg: store, run_id, id, world_size (founders; None = join), epochs, max_steps, batch, n_data,
+    optimizer, lr, pace_s, accumulate, clip, validate, verify, hb_ms, hb_timeout_ms, tier, policy,
+    global_batch, ckpt_dir, every_n_steps, resume (checkpoint path)."""
+    torch.set_num_threads(1)
+    if cfg.get("log_level"):
+        import logging
+
+        logging.basicConfig(level=cfg["log_level"], format=f"%(asctime)s {cfg['id']} %(name)s %(message)s")
+    model, train, val = build(cfg)
+    strategy = SpotnikStrategy(
+        cfg["store"], run_id=cfg["run_id"], member_id=cfg["id"], world_size=cfg.get("world_size"),
+        tier=cfg.get("tier"), heartbeat_ms=cfg.get("hb_ms", 100), heartbeat_timeout_ms=cfg.get("hb_timeout_ms", 1000),
+        batch_policy=cfg.get("policy", "per_worker"), global_batch=cfg.get("global_batch"),
+        verify_replicas=bool(cfg.get("verify", True)), seed=int(cfg.get("seed", 0)),
+        bucket_mb=float(cfg.get("bucket_mb", 25.0)))
+    started = time.time()
+
+    def on_commit(info: CommitInfo) -> None:
+        emit(ev="commit", id=cfg["id"], step=info.step, epoch=info.epoch, rank=info.rank, world=info.world,
+             members=info.members, plans=info.plans, indices=info.indices, seen=model.last_indices,
+             attempts=info.attempts, hash=info.replica_hash)
+
+    strategy.commit_listeners.append(on_commit)
+    callbacks: list[pl.Callback] = []
+    if cfg.get("ckpt_dir"):
+        callbacks.append(pl.callbacks.ModelCheckpoint(dirpath=cfg["ckpt_dir"], every_n_train_steps=int(
+            cfg.get("every_n_steps", 5)), save_top_k=-1, filename="{step}"))
+    trainer = pl.Trainer(
+        strategy=strategy, accelerator="cpu", max_epochs=int(cfg.get("epochs", 1)),
+        max_steps=int(cfg.get("max_steps", -1)), accumulate_grad_batches=int(cfg.get("accumulate", 1)),
+        gradient_clip_val=cfg.get("clip"), logger=False, enable_progress_bar=False, enable_model_summary=False,
+        enable_checkpointing=bool(callbacks), callbacks=callbacks, num_sanity_val_steps=0,
+        limit_val_batches=1.0 if val is not None else 0)
+    emit(ev="ready", id=cfg["id"])
+    try:
+        trainer.fit(model, train, val, ckpt_path=cfg.get("resume"))
+    except SpotnikError as exc:
+        emit(ev="error", id=cfg["id"], error=f"{type(exc).__name__}: {exc}")
+        return 6
+    except SystemExit as exc:  # SIGTERM: the strategy left the ring after a committed step
+        emit(ev="left", id=cfg["id"], step=trainer.global_step, leaves=strategy.counters.leaves)
+        return 0 if exc.code in (None, 0) else 1
+    emit(ev="done", id=cfg["id"], step=trainer.global_step, epoch=trainer.current_epoch,
+         hash=replica_hash(model, trainer.optimizers), changes=strategy.counters.changes,
+         retried=strategy.counters.retried_steps, joins=strategy.counters.joins, leaves=strategy.counters.leaves,
+         resyncs=strategy.counters.resyncs, wall_s=time.time() - started)
+    return 0

@@ -1,0 +1,139 @@
+"""The step-commit protocol on the ring: the commit vote and the resync after a membership change.
+
+A step's gradients are all-reduced (``sync.reducer``); then every member *votes* (one all-gather
+of four integers: present, committed step count, leaving, joiners waiting). A member applies the
+step only after its vote completed, so an applied step implies that every member of that epoch
+had its fully reduced gradients. If the ring changes during the step, the member discards the step
+and calls :meth:`StepCommitter.resync` — its first collective on the new membership, since the ring
+reports each change to each member exactly once. Resync all-gathers ``(committed, voted, reliable,
+joiner)``; then
+
+* a member exactly one step behind that had voted applies its pending step locally (the vote
+  completed somewhere, so its gradients are the step's reduced gradients: the result is
+  bit-identical to the members that applied it, and nothing is sent);
+* a member further behind, or a joiner, receives the donor's full state (an up-to-date member,
+  reliable tier first, lowest rank) point-to-point over the ring;
+* everybody else retries the discarded step on the new membership.
+
+If the ring changes again during the resync, the resync restarts (it is idempotent).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from spotnik_lightning.api import MembershipChanged, MembershipTimeoutError, SpotnikError
+from spotnik_lightning.ring.group import RingGroup
+
+log = logging.getLogger("spotnik.lightning")
+
+
+class ReplicaDivergenceError(SpotnikError):
+    """Replicas disagree on committed state (step count or, with ``verify_replicas``, a hash)."""
+
+
+@dataclass
+class Vote:
+    world: int
+    leaving: list[str] = field(default_factory=list)  # member ids that leave after this step
+    joiners: int = 0
+
+
+@dataclass
+class Resync:
+    outcome: str  # "retry" (discard and recompute), "commit" (apply the pending step), "adopted" (state received)
+    donor: int | None
+    receivers: int
+    nbytes: int
+    ms: float
+    epoch: int
+
+
+class StepCommitter:
+    """Vote and resync for one member. ``committed`` counts the steps this member applied."""
+
+    def __init__(self, ring: RingGroup, committed: int = 0) -> None:
+        self.ring = ring
+        self.committed = committed
+
+    def vote(self, leaving: bool) -> Vote:
+        """All-gather this member's vote. Raises MembershipChanged when the ring changed (the
+        step must not be applied yet: see :meth:`resync`) and ReplicaDivergenceError when members
+        disagree on the committed step count."""
+        ring = self.ring
+        n, ids = ring.size, list(ring.membership.ids)
+        info = torch.tensor([1, self.committed, int(leaving), ring.joiners_waiting], dtype=torch.int64)
+        out = torch.empty(n * 4, dtype=torch.int64)
+        ring.all_gather(out, info)
+        rows = out.view(n, 4)
+        if bool((rows[:, 1] != self.committed).any()):
+            raise ReplicaDivergenceError(
+                f"committed step counts differ at epoch {ring.epoch}: "
+                f"{dict(zip(ids, rows[:, 1].tolist(), strict=True))}")
+        return Vote(n, [ids[r] for r in range(n) if rows[r, 2]], int(rows[:, 3].sum()))
+
+    def resync(self, *, voted: bool, joiner: bool, capture: Callable[[], bytes],
+               adopt: Callable[[bytes], None], timeout_s: float) -> Resync:
+        """Agree on committed state after a membership change (see the module doc). ``voted``:
+        this member voted in the step it is discarding; ``joiner``: it has no state yet.
+        ``capture()`` (donor) serialises the state, ``adopt(blob)`` (receiver) loads it.
+        Blocks until done; raises MembershipTimeoutError after ``timeout_s`` of repeated changes."""
+        t0 = time.monotonic()
+        while True:
+            try:
+                return self._resync_once(voted, joiner, capture, adopt, t0)
+            except MembershipChanged as exc:
+                if time.monotonic() - t0 > timeout_s:
+                    raise MembershipTimeoutError(
+                        f"resync of {self.ring.member_id} did not settle within {timeout_s:.0f} s "
+                        f"(last change epoch {exc.old_epoch} -> {exc.new_epoch})") from exc
+                log.info("membership changed again during resync at %s: %s", self.ring.member_id, exc)
+
+    def _resync_once(self, voted: bool, joiner: bool, capture: Callable[[], bytes],
+                     adopt: Callable[[bytes], None], t0: float) -> Resync:
+        ring = self.ring
+        n, me = ring.size, ring.rank
+        reliable = int(ring.me.tier == "reliable")
+        info = torch.tensor([-1 if joiner else self.committed, int(voted), reliable, int(joiner)], dtype=torch.int64)
+        out = torch.empty(n * 4, dtype=torch.int64)
+        ring.all_gather(out, info)
+        rows = out.view(n, 4).tolist()
+        top = max(r[0] for r in rows)
+        if top < 0:
+            raise ReplicaDivergenceError(f"no member of epoch {ring.epoch} holds any state (all joiners)")
+
+        def commits_locally(r: list[int]) -> bool:
+            return r[0] == top - 1 and r[1] == 1 and r[3] == 0
+
+        needy = [i for i, r in enumerate(rows) if r[0] < top and not commits_locally(r)]
+        donor = None
+        nbytes = 0
+        if needy:
+            donor = min((i for i, r in enumerate(rows) if r[0] == top), key=lambda i: (rows[i][2] == 0, i))
+            if me == donor:
+                blob = capture()
+                nbytes = len(blob)
+                payload = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+                for r in needy:
+                    ring.send(torch.tensor([nbytes], dtype=torch.int64), r)
+                    ring.send(payload, r)
+            elif me in needy:
+                size = torch.zeros(1, dtype=torch.int64)
+                ring.recv(size, donor)
+                nbytes = int(size.item())
+                payload = torch.empty(nbytes, dtype=torch.uint8)
+                ring.recv(payload, donor)
+                adopt(payload.numpy().tobytes())
+                self.committed = top
+        if me in needy:
+            outcome = "adopted"
+        elif commits_locally(rows[me]):
+            outcome = "commit"
+        else:
+            outcome = "retry"
+        return Resync(outcome, donor, len(needy), nbytes, (time.monotonic() - t0) * 1e3, ring.epoch)

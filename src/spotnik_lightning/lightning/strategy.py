@@ -1,0 +1,604 @@
+"""SpotnikStrategy: Lightning training that goes on, in place, when members die, leave or join.
+
+Per training step (automatic optimization):
+
+1. the batch is this member's slice of a fixed :class:`StepPlan` of the elastic cursor;
+2. backward all-reduces gradient buckets on the ring as they fill (:class:`GradientReducer`);
+3. the members vote (:class:`StepCommitter`); only then does the optimizer apply the step, so a
+   step is applied by every member or by none;
+4. if the ring changed anywhere in 2–3, the step is discarded (optimizer, schedulers, counters and
+   cursor untouched), the members resync on the new membership and the *same* plan is recomputed,
+   split by the new ranks.
+
+Joiners are admitted at the start of a step and get the full state from a donor; ``SIGTERM`` makes a
+member finish the current step, leave in the vote and exit 0 without anyone retrying anything.
+Nothing here opens a socket: all communication goes through the member's :class:`RingGroup`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import pickle
+import signal
+import sys
+import time
+from collections.abc import Callable
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.accelerators import CPUAccelerator
+from lightning.pytorch.strategies import ParallelStrategy
+from lightning.pytorch.trainer.states import RunningStage, TrainerFn
+from lightning.pytorch.utilities import rank_zero
+from torch.utils.data import DataLoader
+
+from spotnik_lightning.api import ConfigError, MembershipChanged, RingTimeouts, SpotnikError
+from spotnik_lightning.lightning import transfer
+from spotnik_lightning.lightning.commit import ReplicaDivergenceError, Resync, StepCommitter, Vote
+from spotnik_lightning.lightning.faults import Faults
+from spotnik_lightning.lightning.loader import ElasticLoader
+from spotnik_lightning.lightning.settings import open_membership_store, resolve
+from spotnik_lightning.lightning.verify import replica_hash
+from spotnik_lightning.ring.backend.lifecycle import _close_ring, _track
+from spotnik_lightning.ring.group import RingGroup
+from spotnik_lightning.sync.reducer import GradientReducer
+
+log = logging.getLogger("spotnik.lightning")
+
+
+class _Discarded(Exception):
+    """Raised inside the optimizer closure: the step must not be applied."""
+
+    def __init__(self, error: SpotnikError, voted: bool, loss: Any) -> None:
+        super().__init__(str(error))
+        self.error, self.voted, self.loss = error, voted, loss
+
+
+@dataclass
+class CommitInfo:
+    """What :attr:`SpotnikStrategy.commit_listeners` receive after every committed step."""
+
+    step: int
+    epoch: int
+    rank: int
+    world: int
+    members: list[str]
+    plans: list[list[int]]
+    indices: list[int]
+    attempts: int
+    replica_hash: str | None = None
+
+
+@dataclass
+class Counters:
+    changes: int = 0
+    retried_steps: int = 0
+    joins: int = 0
+    leaves: int = 0
+    last_recovery_ms: float = 0.0
+    resyncs: list[dict] = field(default_factory=list)
+
+
+class SpotnikStrategy(ParallelStrategy):
+    """Data-parallel CPU training on a self-repairing ring (``Trainer(strategy="spotnik")``).
+
+    Args (all optional; the environment set by the launcher fills the rest, see :mod:`.settings`):
+        store: membership store URL (``etcd://h:p[,h:p]``, ``embedded://h:p``, ``h:p``).
+        run_id, world_size (members that found the ring), member_id, host, tier
+        (``transient``/``reliable``; reliable members are preferred donors), secret.
+        heartbeat_ms, heartbeat_timeout_ms or timeouts: failure detection and bounds.
+        batch_policy: ``"per_worker"`` (default: the DataLoader's batch size per member) or
+            ``"global"`` (``global_batch`` samples per step whatever the world size).
+        lr_scaling: scale every param group's learning rate by new_world/old_world on each
+            membership change (linear scaling rule; with ``per_worker`` batches).
+        seed: seed of the epoch permutations (default 0).
+        bucket_mb: gradient bucket size (DDP's default 25).
+        verify_replicas: after each commit, all-gather a hash of parameters + optimizer state and
+            raise :class:`ReplicaDivergenceError` on any difference (costly; for tests).
+
+    Raises ConfigError at setup without a distributed launch, on a non-CPU accelerator, with
+    manual optimization, or with an unsupported training DataLoader; BackendConnectionError when
+    the store cannot be reached.
+    """
+
+    strategy_name = "spotnik"
+
+    def __init__(self, store: str | None = None, *, run_id: str | None = None, world_size: int | None = None,
+                 member_id: str | None = None, host: str | None = None, tier: str | None = None,
+                 secret: str | bytes | None = None, heartbeat_ms: int | None = None,
+                 heartbeat_timeout_ms: int | None = None, timeouts: RingTimeouts | None = None,
+                 batch_policy: str = "per_worker", global_batch: int | None = None, lr_scaling: bool = False,
+                 seed: int = 0, bucket_mb: float = 25.0, verify_replicas: bool = False, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        if batch_policy not in ("per_worker", "global"):
+            raise ConfigError(f"batch_policy must be 'per_worker' or 'global', got {batch_policy!r}")
+        if batch_policy == "global" and (global_batch is None or global_batch < 1):
+            raise ConfigError("batch_policy='global' needs global_batch >= 1")
+        self._args = dict(store=store, run_id=run_id, world_size=world_size, member_id=member_id, host=host,
+                          tier=tier, heartbeat_ms=heartbeat_ms, heartbeat_timeout_ms=heartbeat_timeout_ms,
+                          timeouts=timeouts)
+        self._secret = secret
+        self.batch_policy, self.global_batch, self.lr_scaling = batch_policy, global_batch, lr_scaling
+        self.seed, self.bucket_mb, self.verify_replicas = seed, bucket_mb, verify_replicas
+        self.ring: RingGroup | None = None
+        self.counters = Counters()
+        self.commit_listeners: list[Callable[[CommitInfo], None]] = []
+        self._faults = Faults()
+        self._cfg: Any = None
+        self._store: Any = None
+        self._joiner = False
+        self._provisional = (0, 1)
+        self._committer: StepCommitter | None = None
+        self._reducer: GradientReducer | None = None
+        self._loader: ElasticLoader | None = None
+        self._adopted: dict | None = None
+        self._resync_needed = False
+        self._admit_next = False
+        self._leave_requested = False
+        self._left = False
+        self._quiet = False
+        self._vote: Vote | None = None
+        self._attempts = 0
+        self._prev_sigterm: Any = None
+        self._launcher = None
+
+    # ------------------------------------------------------------------ identity
+    @property
+    def root_device(self) -> torch.device:
+        return torch.device("cpu")
+
+    @property
+    def global_rank(self) -> int:
+        if self.ring is not None and not self._left:
+            return self.ring.rank
+        return self._provisional[0]
+
+    @property
+    def world_size(self) -> int:
+        if self.ring is not None and not self._left:
+            return self.ring.size
+        return self._provisional[1]
+
+    @property
+    def local_rank(self) -> int:
+        return 0
+
+    @property
+    def node_rank(self) -> int:
+        return 0
+
+    @property
+    def is_global_zero(self) -> bool:
+        return not self._left and self.global_rank == 0
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, int]:
+        return {"num_replicas": self.world_size, "rank": self.global_rank}
+
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    def _view(self) -> tuple[int, int, int]:
+        assert self.ring is not None
+        return self.ring.epoch, self.ring.rank, self.ring.size
+
+    def _set_rank_zero(self) -> None:
+        rank_zero.rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
+        from lightning.fabric.utilities import rank_zero as fabric_rank_zero
+
+        fabric_rank_zero.rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
+
+    # ------------------------------------------------------------------ setup
+    def _configure_launcher(self) -> None:
+        self._launcher = None  # members are started by an external launcher (torchrun, spotnik launch)
+
+    def setup_environment(self) -> None:
+        """Check the accelerator, connect to the store and found the ring (or, if it is already
+        running, prepare to join it in :meth:`setup`, once this worker is ready to train)."""
+        if not isinstance(self.accelerator, CPUAccelerator):
+            raise ConfigError(f"SpotnikStrategy trains on CPU only; got accelerator {type(self.accelerator).__name__} "
+                              "(use Trainer(accelerator='cpu'))")
+        self._cfg = resolve(**self._args)
+        self._store = open_membership_store(self._cfg)
+        current = self._store.get_membership()
+        if current is not None and current.epoch > 0 and self._cfg.member_id not in current:
+            self._joiner = True
+            self._provisional = (current.size, current.size + 1)
+        else:
+            if self._cfg.world_size is None:
+                raise ConfigError("the ring is not running yet: world_size (or SPOTNIK_WORLD_SIZE / WORLD_SIZE) "
+                                  "is needed to found it")
+            self._create_ring(self._cfg.world_size)
+        super().setup_environment()
+        self._set_rank_zero()
+
+    def _create_ring(self, world_size: int | None) -> None:
+        cfg = self._cfg
+        self.ring = RingGroup.create(self._store, world_size=world_size, member_id=cfg.member_id, host=cfg.host,
+                                     tier=cfg.tier, secret=self._secret, timeouts=cfg.timeouts)
+        _track(self.ring, 10.0)
+        self._committer = StepCommitter(self.ring)
+        self.ring.listeners.append(self._on_membership_event)
+
+    def setup(self, trainer: pl.Trainer) -> None:
+        if trainer.state.fn == TrainerFn.FITTING and not trainer.lightning_module.automatic_optimization:
+            raise ConfigError("SpotnikStrategy supports automatic optimization only: a manual training_step can apply "
+                              "several optimizer steps that cannot be discarded together (set "
+                              "automatic_optimization=True)")
+        super().setup(trainer)
+        if trainer.state.fn != TrainerFn.FITTING:
+            return
+        if self._joiner:
+            trainer.num_sanity_val_steps = 0  # the members are training: no collectives of our own now
+            self._create_ring(None)  # blocks until admitted at the members' next step
+            self._set_rank_zero()
+            self._resync(voted=False, joiner=True)
+            # Lightning's own start-up collectives (barriers, length checks) ran long ago on the
+            # members: until its first training step, this member's collectives stay local.
+            self._quiet = True
+        else:
+            self._broadcast_initial_state()
+        assert self.ring is not None and self.model is not None
+        committed = lambda: self._committer.committed if self._committer else 0  # noqa: E731
+        self._reducer = GradientReducer(
+            self.ring, self.model.parameters(), bucket_mb=self.bucket_mb, first_bucket_mb=min(1.0, self.bucket_mb),
+            on_launch=lambda i: self._faults.at("backward", committed()) if i == 0 else None,
+            on_bucket=lambda i: self._faults.at("between_buckets", committed()) if i == 0 else None)
+
+    def _broadcast_initial_state(self) -> None:
+        """Founders start from rank 0's parameters and buffers (as DDP does)."""
+        assert self.model is not None
+        with torch.no_grad():
+            for t in self.model.state_dict().values():
+                if isinstance(t, torch.Tensor) and t.numel():
+                    self._collective(lambda t=t: self.ring.broadcast(t, 0))
+
+    def process_dataloader(self, dataloader: object) -> object:
+        """Replace the training DataLoader with an :class:`ElasticLoader` (other stages unchanged)."""
+        stage = sys._getframe(1).f_locals.get("stage")
+        if stage != RunningStage.TRAINING or not isinstance(dataloader, DataLoader) or self.ring is None:
+            return dataloader
+        self._loader = ElasticLoader.wrap(dataloader, self._view, seed=self.seed, policy=self.batch_policy,
+                                          global_batch=self.global_batch)
+        if self._adopted is not None:
+            self._loader.adopt(self._adopted["cursor"], self._adopted["pending"])
+            self._adopted = None
+        return self._loader
+
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        self._prev_sigterm = signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    def _on_sigterm(self, signum: int, frame: Any) -> None:
+        log.info("SIGTERM at %s: leaving after the current step", self.ring.member_id if self.ring else "?")
+        self._leave_requested = True
+
+    # ------------------------------------------------------------------ per step
+    def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is None or not trainer.training or self._loader is None or not self._loader.fetched:
+            return super().batch_to_device(batch, device, dataloader_idx)
+        self._quiet = False
+        if not self._loader.step:  # first micro-batch of a step: the step boundary
+            if self._resync_needed:
+                self._resync(voted=False, joiner=False)
+            if self._admit_next:
+                self._admit()
+        fresh = self._loader.take(batch)
+        if fresh is not batch:
+            fresh = self.lightning_module._on_before_batch_transfer(fresh, dataloader_idx=dataloader_idx)
+        return super().batch_to_device(fresh, device, dataloader_idx)
+
+    def _admit(self) -> None:
+        self._admit_next = False
+        assert self.ring is not None
+        try:
+            added = self.ring.admit()
+        except MembershipChanged as exc:
+            self._note_change(exc)
+            added = []
+        if added:
+            self.counters.joins += len(added)
+            log.info("admitted %s at step %d", [m.id for m in added], self._committer.committed)
+        self._resync(voted=False, joiner=False)
+
+    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        """Sync, vote, then apply — or discard, resync and recompute the same step (see module doc)."""
+        if self._reducer is None or self._loader is None or self._left:
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+        model = model or self.lightning_module
+        self._attempts = 0
+        while True:
+            try:
+                out = self.precision_plugin.optimizer_step(optimizer, model=model, closure=self._attempt(closure),
+                                                           **kwargs)
+            except _Discarded as d:
+                self._attempts += 1
+                res = self._recover(d)
+                if res.outcome == "commit":
+                    out = self.precision_plugin.optimizer_step(optimizer, model=model, closure=lambda d=d: d.loss,
+                                                               **kwargs)
+                    self._after_commit(Vote(self.world_size))
+                    return out
+                self.counters.retried_steps += 1
+                self._rebuild_step(closure, optimizer)
+                continue
+            self._faults.at("after_commit", self._committer.committed)
+            self._after_commit(self._vote or Vote(self.world_size))
+            return out
+
+    def _attempt(self, closure: Callable[[], Any]) -> Callable[[], Any]:
+        assert self._reducer is not None and self._loader is not None and self._committer is not None
+        mine, total = self._loader.local_share()
+        weight = mine / total if total else 0.0
+
+        def run() -> Any:
+            self._vote = None
+            self._reducer.arm(weight)
+            try:
+                loss = closure()
+            finally:
+                err = self._reducer.finish()
+            if err is not None:
+                raise _Discarded(err, voted=False, loss=loss)
+            self._faults.at("vote", self._committer.committed)
+            try:
+                self._vote = self._committer.vote(leaving=self._leave_requested)
+            except MembershipChanged as exc:
+                raise _Discarded(exc, voted=True, loss=loss) from None
+            return loss
+
+        return run
+
+    def _rebuild_step(self, closure: Any, optimizer: Any) -> None:
+        """Re-split every plan of the discarded step for the new membership and recompute the
+        micro-batches before the last one (the last one runs in the next attempt's closure)."""
+        assert self._loader is not None and self._reducer is not None
+        kwargs = closure._step_fn.args[0]  # Lightning's Closure: partial(_training_step, kwargs)
+        optimizer.zero_grad(set_to_none=True)
+        n = len(self._loader.step)
+        for i in range(n):
+            batch = self._loader.rebuild(i)
+            batch = self.lightning_module._on_before_batch_transfer(batch, dataloader_idx=0)
+            kwargs["batch"] = super().batch_to_device(batch)
+            if i < n - 1:
+                with self._reducer.disarmed():
+                    closure()
+
+    def _after_commit(self, vote: Vote) -> None:
+        assert self._committer is not None and self._loader is not None and self.ring is not None
+        self._committer.committed += 1
+        done = self._loader.commit_step()
+        digest = self._verify() if self.verify_replicas else None
+        if self.commit_listeners:
+            info = CommitInfo(self._committer.committed, self.ring.epoch, self.ring.rank, self.ring.size,
+                              list(self.ring.membership.ids), [e.plan.to_list() for e in done],
+                              [i for e in done if e.counted for i in e.indices], self._attempts + 1, digest)
+            for fn in self.commit_listeners:
+                fn(info)
+        if vote.joiners:
+            self._admit_next = True
+        if vote.leaving:
+            if self.ring.member_id in vote.leaving:
+                self._leave()
+            else:
+                self._await_departure(vote.leaving)
+
+    def _verify(self) -> str:
+        digest = replica_hash(self.lightning_module, self.optimizers)
+        mine = torch.tensor(list(bytes.fromhex(digest)), dtype=torch.uint8)
+        try:
+            out = torch.empty(self.ring.size * mine.numel(), dtype=torch.uint8)
+            self.ring.all_gather(out, mine)
+        except MembershipChanged as exc:
+            self._note_change(exc)
+            self._resync_needed = True
+            return digest
+        rows = out.view(self.ring.size, -1)
+        if not bool((rows == mine).all()):
+            raise ReplicaDivergenceError(f"replicas differ after step {self._committer.committed} at epoch "
+                                         f"{self.ring.epoch}: {[bytes(r.tolist()).hex() for r in rows]}")
+        return digest
+
+    # ------------------------------------------------------------------ membership changes
+    def _recover(self, d: _Discarded) -> Resync:
+        if not isinstance(d.error, MembershipChanged):
+            raise d.error
+        self._note_change(d.error)
+        return self._resync(voted=d.voted, joiner=False, t0=time.monotonic())
+
+    def _note_change(self, exc: MembershipChanged) -> None:
+        self.counters.changes += 1
+        self._resync_needed = False
+        log.info("step %d discarded at %s: %s", self._committer.committed if self._committer else -1,
+                 self.ring.member_id if self.ring else "?", exc)
+
+    def _resync(self, *, voted: bool, joiner: bool, t0: float | None = None) -> Resync:
+        assert self._committer is not None and self.ring is not None
+        t0 = t0 or time.monotonic()
+        old_world = self._provisional[1] if joiner else self.world_size
+        res = self._committer.resync(voted=voted, joiner=joiner, capture=self._capture, adopt=self._adopt,
+                                     timeout_s=self.ring.timeouts.repair.total_seconds())
+        self._resync_needed = False
+        self.counters.last_recovery_ms = (time.monotonic() - t0) * 1e3
+        entry = {"member": self.ring.member_id, "epoch": res.epoch, "rank": self.ring.rank, "world": self.ring.size,
+                 "committed": self._committer.committed, "outcome": res.outcome, "donor": res.donor,
+                 "receivers": res.receivers, "bytes": res.nbytes, "resync_ms": round(res.ms, 2),
+                 "recovery_ms": round(self.counters.last_recovery_ms, 2)}
+        self.counters.resyncs.append(entry)
+        log.info("spotnik_resync %s", json.dumps(entry, sort_keys=True))
+        self._set_rank_zero()
+        if self.lr_scaling and not joiner and self.world_size != old_world:
+            for opt in self.optimizers:
+                for g in opt.param_groups:
+                    g["lr"] = g["lr"] * self.world_size / old_world
+        return res
+
+    def _capture(self) -> bytes:
+        assert self._loader is not None and self._committer is not None
+        return transfer.capture(self.lightning_module.trainer, {
+            "committed": self._committer.committed,
+            "cursor": self._loader.cursor.state_dict(),
+            "pending": [p.to_list() for p in self._loader.pending_plans()],
+        })
+
+    def _adopt(self, blob: bytes) -> None:
+        if not self._joiner:
+            raise ReplicaDivergenceError("a member that was not joining was sent state: it fell behind further than "
+                                         "one step, which the commit vote rules out")
+        ckpt = transfer.load(blob)
+        transfer.apply_training_state(self.lightning_module.trainer, ckpt, loops=True)
+        self._adopted = ckpt["spotnik"]
+        self._joiner = False
+
+    def _on_membership_event(self, event: Any) -> None:
+        log.info("spotnik_membership %s", json.dumps({"kind": event.kind, "epoch": event.new_epoch,
+                                                      "members": list(event.members),
+                                                      "latency_ms": event.latency_ms}, sort_keys=True))
+
+    # ------------------------------------------------------------------ leaving
+    def _leave(self) -> None:
+        """Leave after the step this member voted to leave in; Lightning then exits (SIGTERMException)."""
+        assert self.ring is not None
+        log.info("%s leaves the ring after step %d", self.ring.member_id, self._committer.committed)
+        self._provisional = (self.ring.rank, 1)
+        if self._reducer is not None:
+            self._reducer.close()
+        self.ring.leave()
+        self._left = True
+        self.counters.leaves += 1
+        trainer = self.lightning_module.trainer
+        trainer._signal_connector.received_sigterm = True
+
+    def _await_departure(self, leaving: list[str]) -> None:
+        """Survivors: observe the leavers' departure in a barrier (they never enter it), so the
+        next step starts on the new membership and nothing is retried."""
+        assert self.ring is not None
+        deadline = time.monotonic() + self.ring.timeouts.repair.total_seconds()
+        while any(i in self.ring.membership for i in leaving):
+            if time.monotonic() > deadline:
+                raise SpotnikError(f"members {leaving} voted to leave but are still in epoch {self.ring.epoch}")
+            try:
+                self.ring.barrier()
+            except MembershipChanged as exc:
+                self.counters.changes += 1
+                self.counters.leaves += len(leaving)
+                log.info("%s saw %s leave: %s", self.ring.member_id, leaving, exc)
+        self._set_rank_zero()
+
+    # ------------------------------------------------------------------ collectives for Lightning
+    def _collective(self, fn: Callable[[], Any]) -> Any:
+        """Run a ring collective; after a membership change, retry it on the new membership and
+        resync at the next step boundary."""
+        for _ in range(8):
+            try:
+                return fn()
+            except MembershipChanged as exc:
+                self._note_change(exc)
+                self._resync_needed = True
+        raise SpotnikError("collective kept failing across 8 membership changes")
+
+    def _distributed(self) -> bool:
+        return self.ring is not None and not self._left and not self._quiet and self.ring.size > 1
+
+    def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
+        if not isinstance(tensor, torch.Tensor) or not self._distributed():
+            return tensor
+        op = str(getattr(reduce_op, "name", reduce_op) or "mean").lower().replace("reduceop.", "")
+        op = {"avg": "mean"}.get(op, op)
+        if op not in ("sum", "mean", "max", "min"):
+            raise ConfigError(f"SpotnikStrategy.reduce: unsupported reduce_op {reduce_op!r}")
+        t = tensor.detach().clone().to(torch.float64 if tensor.is_floating_point() else tensor.dtype)
+        self._collective(lambda: self.ring.all_reduce(t, "sum" if op == "mean" else op))
+        if op == "mean":
+            t = t / self.ring.size
+        return t.to(tensor.dtype) if tensor.is_floating_point() else t
+
+    def barrier(self, name: str | None = None) -> None:
+        if self._distributed():
+            self._collective(self.ring.barrier)
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not self._distributed():
+            return obj
+
+        def run() -> Any:
+            data = pickle.dumps(obj) if self.ring.rank == src else b""
+            size = torch.tensor([len(data)], dtype=torch.int64)
+            self.ring.broadcast(size, src)
+            n = int(size.item())
+            buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(n, dtype=torch.uint8)
+            self.ring.broadcast(buf, src)
+            return pickle.loads(buf.numpy().tobytes())
+
+        return self._collective(run)
+
+    def all_gather(self, tensor: torch.Tensor, group: Any = None, sync_grads: bool = False) -> torch.Tensor:
+        if not self._distributed():
+            return tensor.unsqueeze(0)
+
+        def run() -> torch.Tensor:
+            src = tensor.detach().contiguous()
+            out = torch.empty(self.ring.size * src.numel(), dtype=src.dtype)
+            self.ring.all_gather(out, src)
+            return out.view(self.ring.size, *src.shape)
+
+        return self._collective(run)
+
+    @contextmanager
+    def block_backward_sync(self):  # noqa: ANN201 - a context manager
+        if self._reducer is None:
+            yield None
+            return
+        with self._reducer.disarmed():
+            yield None
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        if self._loader is not None and self._committer is not None:
+            checkpoint["spotnik"] = {"cursor": self._loader.cursor.state_dict(), "committed": self._committer.committed}
+        if self.is_global_zero:
+            self.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        ckpt = super().load_checkpoint(checkpoint_path, weights_only=False)
+        state = ckpt.get("spotnik")
+        if state is not None:
+            # a new job resumes: fresh membership epochs, same data position (pending plans are re-made)
+            self._adopted = {"cursor": state["cursor"], "pending": []}
+            if self._committer is not None:
+                self._committer.committed = int(state["committed"])
+        return ckpt
+
+    def remove_checkpoint(self, filepath: Any) -> None:
+        if self.is_global_zero:
+            self.checkpoint_io.remove_checkpoint(filepath)
+
+    # ------------------------------------------------------------------ teardown
+    def on_exception(self, exception: BaseException) -> None:
+        if self.ring is not None and not self._left and isinstance(exception, SystemExit):
+            self._left = True
+            self.ring.leave()  # SIGTERM outside a step: leave at once, the others repair
+
+    def teardown(self) -> None:
+        if self._prev_sigterm is not None:
+            signal.signal(signal.SIGTERM, self._prev_sigterm)
+            self._prev_sigterm = None
+        if self._reducer is not None:
+            self._reducer.close()
+            self._reducer = None
+        if self.ring is not None:
+            _close_ring(self.ring)
+        elif self._store is not None:
+            self._store.close()
+        super().teardown()
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        strategy_registry.register("spotnik", cls, description="spotnik: training through revocations on a "
+                                   "self-repairing ring")
