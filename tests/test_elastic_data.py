@@ -1,5 +1,5 @@
 """The elastic data cursor: every sample exactly once per epoch across any sequence of world-size
-changes and discarded (retried) steps."""
+changes, prefetched plans and discarded (retried) steps."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import random
 import pytest
 
 from spotnik_lightning.api import ConfigError
-from spotnik_lightning.lightning import ElasticCursor
+from spotnik_lightning.lightning import ElasticCursor, StepPlan
 from spotnik_lightning.lightning.data import linear_lr_scale
 
 
@@ -19,51 +19,77 @@ def test_every_sample_exactly_once_across_changes_and_retries(seed: int, policy:
     n = rng.randint(50, 3000)
     cursor = ElasticCursor(n, per_worker_batch=rng.randint(1, 40), seed=seed, policy=policy,
                            global_batch=rng.randint(1, 200) if policy == "global" else None)
-    world, seen, epochs, discarded = rng.randint(1, 8), [], [], 0
+    world, seen, epochs, discarded, stand_ins = rng.randint(1, 8), [], [], 0, 0
+    ahead = cursor.plan(world)  # Lightning fetches one plan ahead
     while len(epochs) < 2:
-        if rng.random() < 0.25:  # a revocation or a join between (or during) steps
-            world = max(1, min(16, world + rng.choice([-3, -2, -1, 1, 2])))
-        slices = [cursor.indices(r, world) for r in range(world)]
-        assert sum(map(len, slices)) == cursor.step_size(world)
-        if rng.random() < 0.2:  # a peer died mid-step: discarded, the cursor must not move
-            discarded += 1
-            continue
-        for s in slices:
-            seen.extend(s)
-        if cursor.commit(world):
+        plan, ahead = ahead, None
+        assert plan is not None
+        ahead = cursor.plan(world, after=plan)
+        while True:
+            if rng.random() < 0.25:  # a revocation or a join before or during the step
+                world = max(1, min(16, world + rng.choice([-3, -2, -1, 1, 2])))
+            slices = [cursor.split(plan, r, world) for r in range(world)]
+            counted = [i for s, ok in slices if ok for i in s]
+            stand_ins += sum(1 for _, ok in slices if not ok)
+            assert sorted(counted) == sorted(cursor.permutation(plan.epoch)[plan.start:plan.stop].tolist())
+            assert max(len(s) for s, _ in slices) - min(len(s) for s, _ in slices) <= 1
+            if rng.random() < 0.2:  # a peer died mid-step: discarded, recomputed on the new world
+                discarded += 1
+                continue
+            break
+        seen.extend(counted)
+        if cursor.commit(plan):
             epochs.append(seen)
             seen = []
+            ahead = cursor.plan(world)
     for got in epochs:
         assert sorted(got) == list(range(n)), "a sample was lost or processed twice"
     assert discarded > 0
 
 
-def test_retry_rereads_the_same_samples_and_epochs_reshuffle() -> None:
+def test_plans_are_fixed_and_the_tail_joins_the_last_plan() -> None:
     c = ElasticCursor(100, per_worker_batch=10, seed=3)
-    first = [c.indices(r, 4) for r in range(4)]
-    assert [c.indices(r, 4) for r in range(4)] == first  # discarded step: same samples again
-    three = [c.indices(r, 3) for r in range(3)]  # retried on 3 members: a prefix of the same order
-    assert sum(three, []) == sum(first, [])[:30]
+    first = c.plan(4)
+    assert first == StepPlan(0, 0, 40) and c.plan(4) == first  # nothing moves before a commit
+    assert c.plan(4, after=first) == StepPlan(0, 40, 40)
+    assert c.plan(3, after=StepPlan(0, 40, 40)) == StepPlan(0, 80, 20)  # 20 left: one plan of 20
+    assert c.plan(4, after=StepPlan(0, 58, 40)) == StepPlan(0, 98, 2)
+    assert c.plan(8, after=StepPlan(0, 0, 15)) == StepPlan(0, 15, 85)  # 5 would be left < 8 members: merged
+    assert c.plan(4, after=StepPlan(0, 60, 40)) is None
+    with pytest.raises(ConfigError, match="out of order"):
+        c.commit(StepPlan(0, 40, 40))
     order0 = c.permutation().tolist()
-    while not c.commit(4):
-        pass
+    plan = c.plan(4)
+    while plan is not None:
+        c.commit(plan)
+        plan = c.plan(4) if c.epoch == 0 else None
     assert c.epoch == 1 and c.position == 0 and c.permutation().tolist() != order0
+
+
+def test_a_member_without_samples_gets_a_stand_in_of_weight_zero() -> None:
+    c = ElasticCursor(10, per_worker_batch=1, shuffle=False)
+    plan = StepPlan(0, 0, 2)
+    assert [c.split(plan, r, 3) for r in range(3)] == [([0], True), ([1], True), ([0], False)]
 
 
 def test_global_policy_keeps_the_global_batch() -> None:
     c = ElasticCursor(1000, per_worker_batch=1, policy="global", global_batch=64)
-    for world in (1, 3, 7, 64, 100):
-        sizes = [len(c.indices(r, world)) for r in range(world)]
+    for world in (1, 3, 7, 64):
+        plan = c.plan(world)
+        assert plan is not None and plan.size == 64
+        sizes = [len(c.split(plan, r, world)[0]) for r in range(world)]
         assert sum(sizes) == 64 and max(sizes) - min(sizes) <= 1
 
 
 def test_state_transfer_to_a_joiner() -> None:
     donor = ElasticCursor(500, per_worker_batch=8, seed=11)
     for world in (4, 4, 3, 5):
-        donor.commit(world)
+        donor.commit(donor.plan(world))
     joiner = ElasticCursor(500, per_worker_batch=8, seed=11)
     joiner.load_state_dict(donor.state_dict())
-    assert [joiner.indices(r, 6) for r in range(6)] == [donor.indices(r, 6) for r in range(6)]
+    plan = donor.plan(6)
+    assert joiner.plan(6) == plan
+    assert [joiner.split(plan, r, 6) for r in range(6)] == [donor.split(plan, r, 6) for r in range(6)]
     with pytest.raises(ConfigError, match="seed"):
         ElasticCursor(500, per_worker_batch=8, seed=12).load_state_dict(donor.state_dict())
 
@@ -76,7 +102,7 @@ def test_bad_configuration_is_a_clear_error() -> None:
     with pytest.raises(ConfigError, match="global_batch"):
         ElasticCursor(10, per_worker_batch=1, policy="global")
     with pytest.raises(ConfigError, match="rank 4 out of range"):
-        ElasticCursor(10, per_worker_batch=1).indices(4, 4)
+        ElasticCursor(10, per_worker_batch=1).split(StepPlan(0, 0, 4), 4, 4)
     assert linear_lr_scale(6, 4) == 1.5
     with pytest.raises(ConfigError):
         linear_lr_scale(0, 4)

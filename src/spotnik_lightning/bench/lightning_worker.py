@@ -85,6 +85,37 @@ def build(cfg: dict) -> tuple[MLP, DataLoader, DataLoader | None]:
     return model, train, val
 
 
+def _dump(model: nn.Module, cfg: dict) -> str | None:
+    """Save the flat parameters to ``<cfg["dump"]>/<id>.pt`` (for exact comparisons); returns the path."""
+    if not cfg.get("dump"):
+        return None
+    path = f"{cfg['dump']}/{cfg['id']}.pt"
+    torch.save(torch.cat([p.detach().reshape(-1) for p in model.parameters()]), path)
+    return path
+
+
+def run_ddp(cfg: dict) -> int:
+    """The same training under Lightning's ``DDPStrategy(process_group_backend="gloo")`` (the
+    baseline); cfg adds ``rank``, ``world_size``, ``master_port``."""
+    import os
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(cfg["master_port"]), WORLD_SIZE=str(cfg["world_size"]),
+                      RANK=str(cfg["rank"]), LOCAL_RANK=str(cfg["rank"]), NODE_RANK="0")
+    model, train, val = build(cfg)
+    trainer = pl.Trainer(
+        strategy=pl.strategies.DDPStrategy(process_group_backend="gloo"), accelerator="cpu",
+        devices=int(cfg["world_size"]), max_epochs=int(cfg.get("epochs", 1)), max_steps=int(cfg.get("max_steps", -1)),
+        logger=False, enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+        num_sanity_val_steps=0, limit_val_batches=0)
+    started = time.time()
+    trainer.fit(model, train)
+    emit(ev="done", id=cfg["id"], step=trainer.global_step, epoch=trainer.current_epoch, wall_s=time.time() - started,
+         hash=replica_hash(model, trainer.optimizers),
+         params=_dump(model, cfg))
+    return 0
+
+
 def run(cfg: dict) -> int:
     """cfg: store, run_id, id, world_size (founders; None = join), epochs, max_steps, batch, n_data,
     optimizer, lr, pace_s, accumulate, clip, validate, verify, hb_ms, hb_timeout_ms, tier, policy,
@@ -116,7 +147,9 @@ def run(cfg: dict) -> int:
     trainer = pl.Trainer(
         strategy=strategy, accelerator="cpu", max_epochs=int(cfg.get("epochs", 1)),
         max_steps=int(cfg.get("max_steps", -1)), accumulate_grad_batches=int(cfg.get("accumulate", 1)),
-        gradient_clip_val=cfg.get("clip"), logger=False, enable_progress_bar=False, enable_model_summary=False,
+        gradient_clip_val=cfg.get("clip"),
+        logger=pl.loggers.CSVLogger(cfg["logger_dir"], name=cfg["id"]) if cfg.get("logger_dir") else False,
+        enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=int(cfg.get("log_every", 1)),
         enable_checkpointing=bool(callbacks), callbacks=callbacks, num_sanity_val_steps=0,
         limit_val_batches=1.0 if val is not None else 0)
     emit(ev="ready", id=cfg["id"])
@@ -131,5 +164,7 @@ def run(cfg: dict) -> int:
     emit(ev="done", id=cfg["id"], step=trainer.global_step, epoch=trainer.current_epoch,
          hash=replica_hash(model, trainer.optimizers), changes=strategy.counters.changes,
          retried=strategy.counters.retried_steps, joins=strategy.counters.joins, leaves=strategy.counters.leaves,
-         resyncs=strategy.counters.resyncs, wall_s=time.time() - started)
+         resyncs=strategy.counters.resyncs, wall_s=time.time() - started,
+         metrics={k: float(v) for k, v in trainer.progress_bar_metrics.items() if k.startswith("spotnik/")},
+         params=_dump(model, cfg))
     return 0

@@ -31,7 +31,9 @@ def emit(**fields: object) -> None:
     fields.setdefault("t", time.time())
     fields.setdefault("pid", os.getpid())
     line = (json.dumps(fields, separators=(",", ":")) + "\n").encode()
-    os.write(1, line)  # one write per line: lines from many processes never interleave
+    view = memoryview(line)
+    while view:  # one write per line (up to PIPE_BUF bytes): lines from many processes never interleave
+        view = view[os.write(1, view):]
 
 
 def run(cfg: dict) -> int:

@@ -86,7 +86,7 @@ class ElasticCursor:
         epoch = self.epoch if epoch is None else epoch
         if self._perm_epoch != epoch:
             if self.shuffle:
-                g = torch.Generator().manual_seed((self.seed * 1_000_003 + epoch) % (1 << 63))
+                g = torch.Generator().manual_seed(self.seed + epoch)  # as DistributedSampler orders
                 self._perm = torch.randperm(self.dataset_len, generator=g)
             else:
                 self._perm = torch.arange(self.dataset_len)

@@ -41,6 +41,7 @@ from spotnik_lightning.lightning import transfer
 from spotnik_lightning.lightning.commit import ReplicaDivergenceError, Resync, StepCommitter, Vote
 from spotnik_lightning.lightning.faults import Faults
 from spotnik_lightning.lightning.loader import ElasticLoader
+from spotnik_lightning.lightning.metrics import SpotnikMetrics
 from spotnik_lightning.lightning.settings import open_membership_store, resolve
 from spotnik_lightning.lightning.verify import replica_hash
 from spotnik_lightning.ring.backend.lifecycle import _close_ring, _track
@@ -233,6 +234,8 @@ class SpotnikStrategy(ParallelStrategy):
         super().setup(trainer)
         if trainer.state.fn != TrainerFn.FITTING:
             return
+        if not any(isinstance(cb, SpotnikMetrics) for cb in trainer.callbacks):
+            trainer.callbacks.append(SpotnikMetrics(self))
         if self._joiner:
             trainer.num_sanity_val_steps = 0  # the members are training: no collectives of our own now
             self._create_ring(None)  # blocks until admitted at the members' next step
@@ -374,10 +377,11 @@ class SpotnikStrategy(ParallelStrategy):
         assert self._committer is not None and self._loader is not None and self.ring is not None
         self._committer.committed += 1
         done = self._loader.commit_step()
+        epoch, rank, world = done[-1].view if done else self._view()  # the membership the step committed on
+        members = list(self.ring.membership.ids)
         digest = self._verify() if self.verify_replicas else None
         if self.commit_listeners:
-            info = CommitInfo(self._committer.committed, self.ring.epoch, self.ring.rank, self.ring.size,
-                              list(self.ring.membership.ids), [e.plan.to_list() for e in done],
+            info = CommitInfo(self._committer.committed, epoch, rank, world, members, [e.plan.to_list() for e in done],
                               [i for e in done if e.counted for i in e.indices], self._attempts + 1, digest)
             for fn in self.commit_listeners:
                 fn(info)
