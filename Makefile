@@ -1,6 +1,7 @@
 # spotnik-lightning — developer entry points.
 #
-#   make demo    set everything up, then run the main demo (workers train, one is killed, one joins)
+#   make demo    set everything up, then run the main demo (Lightning workers train; one is killed,
+#                one gets SIGTERM, one joins; a timeline is printed)
 #   make test    set everything up, then lint and run the whole test suite
 #
 # `setup` is meant for a fresh Debian machine (run as root, or as a user with sudo): it creates
@@ -26,7 +27,7 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || command -v sudo)
 # Directories that are linted, restricted to the ones present (git does not keep empty dirs).
 LINT_PATHS := $(wildcard src tests benchmarks examples)
 
-.PHONY: setup test lint demo bench docs clean
+.PHONY: setup test lint demo ring-demo bench docs clean
 
 setup: $(STAMP)
 
@@ -55,11 +56,18 @@ lint: setup
 	$(VENV)/bin/ruff check $(LINT_PATHS)
 
 demo: setup
+	$(PY) examples/lightning_demo.py
+
+ring-demo: setup
 	$(PY) examples/ring_demo.py
 
 bench: setup
 	$(PY) -m spotnik_lightning.cli bench allreduce --json
 	$(PY) -m spotnik_lightning.cli bench recovery --json
+	$(PY) benchmarks/lightning_bench.py step --repeat 3
+	$(PY) benchmarks/lightning_bench.py commit --repeat 3
+	$(PY) benchmarks/lightning_bench.py revocation
+	$(PY) benchmarks/lightning_bench.py join
 
 docs: setup
 	$(VENV)/bin/mkdocs build --strict

@@ -38,6 +38,65 @@ class TeacherData(Dataset):
         return self.x[i], self.y[i], i
 
 
+class SyntheticImages(Dataset):
+    """``n`` random 3x``side``x``side`` images with random labels (benchmarks: compute, not accuracy)."""
+
+    def __init__(self, n: int, side: int = 32, classes: int = 10, seed: int = 0) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.x = torch.randn(n, 3, side, side, generator=g)
+        self.y = torch.randint(0, classes, (n,), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        return self.x[i], self.y[i], i
+
+
+class Bench(pl.LightningModule):
+    """A benchmark model (``resnet50`` or ``shaped:<name>``, see :mod:`.models`) trained with SGD."""
+
+    def __init__(self, kind: str, lr: float = 0.01, optimizer: str = "sgd") -> None:
+        super().__init__()
+        from spotnik_lightning.bench import models
+
+        self.kind, self.lr, self.opt_name = kind, lr, optimizer
+        self.net = models.resnet50(10) if kind == "resnet50" else models.Shaped(kind.split(":", 1)[1])
+        self.last_indices: list[int] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y, idx = batch
+        self.last_indices = idx.tolist()
+        if self.kind == "resnet50":
+            return nn.functional.cross_entropy(self.net(x), y)
+        return self.net(x)
+
+    def configure_optimizers(self) -> Any:
+        if self.opt_name == "adam":
+            return torch.optim.Adam(self.parameters(), lr=self.lr)
+        return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
+
+
+class StepTimer(pl.Callback):
+    """Wall time of every training batch (start to end of ``on_train_batch_*``)."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self._t = 0.0
+
+    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        self._t = time.perf_counter()
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        self.times.append(time.perf_counter() - self._t)
+
+
+def _rss_mb() -> float:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
 class MLP(pl.LightningModule):
     """A small classifier; records the sample indices of its last training batch."""
 
@@ -74,11 +133,48 @@ class MLP(pl.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 
-def build(cfg: dict) -> tuple[MLP, DataLoader, DataLoader | None]:
+class TwoOptimizers(MLP):
+    """Manual optimization with two optimizers (the GAN pattern): the first trains the lower layers,
+    the second the upper ones on a fresh forward, each with its own scheduler stepped by hand."""
+
+    def __init__(self, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.automatic_optimization = False
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y, idx = batch
+        self.last_indices = idx.tolist()
+        if self.pace_s:
+            time.sleep(self.pace_s)
+        opt_low, opt_high = self.optimizers()
+        for opt in (opt_low, opt_high):
+            loss = nn.functional.cross_entropy(self.net(x), y)
+            self.manual_backward(loss)
+            opt.step()
+            opt.zero_grad()
+        for sched in self.lr_schedulers():
+            sched.step()
+        self.log("train_loss", loss, on_step=True)
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        low = torch.optim.SGD(self.net[:2].parameters(), lr=self.lr, momentum=0.9)
+        high = torch.optim.Adam(self.net[2:].parameters(), lr=self.lr / 10)
+        scheds = [torch.optim.lr_scheduler.StepLR(opt, 3, 0.9) for opt in (low, high)]
+        return [low, high], scheds
+
+
+def build(cfg: dict) -> tuple[pl.LightningModule, DataLoader, DataLoader | None]:
     """The model and loaders described by ``cfg`` (shared with the fault-free DDP baseline)."""
     pl.seed_everything(int(cfg.get("seed", 0)), verbose=False)
+    kind = cfg.get("model", "mlp")
+    if kind != "mlp":
+        images = SyntheticImages(int(cfg.get("n_data", 64)), side=int(cfg.get("side", 32)))
+        return (Bench(kind, lr=float(cfg.get("lr", 0.01)), optimizer=cfg.get("optimizer", "sgd")),
+                DataLoader(images, batch_size=int(cfg.get("batch", 2)), shuffle=False), None)
     data = TeacherData(int(cfg.get("n_data", 512)), seed=int(cfg.get("data_seed", 0)))
-    model = MLP(lr=float(cfg.get("lr", 0.05)), optimizer=cfg.get("optimizer", "sgd"),
+    cls = TwoOptimizers if cfg.get("manual") else MLP
+    model = cls(lr=float(cfg.get("lr", 0.05)), optimizer=cfg.get("optimizer", "sgd"),
                 pace_s=float(cfg.get("pace_s", 0.0)), scheduler=bool(cfg.get("scheduler", True)), n_data=len(data))
     train = DataLoader(data, batch_size=int(cfg.get("batch", 8)), shuffle=bool(cfg.get("shuffle", True)))
     val = DataLoader(TeacherData(64, seed=99), batch_size=32) if cfg.get("validate") else None
@@ -107,10 +203,11 @@ def run_ddp(cfg: dict) -> int:
         strategy=pl.strategies.DDPStrategy(process_group_backend="gloo"), accelerator="cpu",
         devices=int(cfg["world_size"]), max_epochs=int(cfg.get("epochs", 1)), max_steps=int(cfg.get("max_steps", -1)),
         logger=False, enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
-        num_sanity_val_steps=0, limit_val_batches=0)
+        num_sanity_val_steps=0, limit_val_batches=0, callbacks=[timer := StepTimer()])
     started = time.time()
     trainer.fit(model, train)
     emit(ev="done", id=cfg["id"], step=trainer.global_step, epoch=trainer.current_epoch, wall_s=time.time() - started,
+         step_times=timer.times, rss_mb=_rss_mb(),
          hash=replica_hash(model, trainer.optimizers),
          params=_dump(model, cfg))
     return 0
@@ -131,7 +228,7 @@ def run(cfg: dict) -> int:
         tier=cfg.get("tier"), heartbeat_ms=cfg.get("hb_ms", 100), heartbeat_timeout_ms=cfg.get("hb_timeout_ms", 1000),
         batch_policy=cfg.get("policy", "per_worker"), global_batch=cfg.get("global_batch"),
         verify_replicas=bool(cfg.get("verify", True)), seed=int(cfg.get("seed", 0)),
-        bucket_mb=float(cfg.get("bucket_mb", 25.0)))
+        bucket_mb=float(cfg.get("bucket_mb", 25.0)), atomic=bool(cfg.get("atomic", True)))
     started = time.time()
 
     def on_commit(info: CommitInfo) -> None:
@@ -140,7 +237,8 @@ def run(cfg: dict) -> int:
              attempts=info.attempts, hash=info.replica_hash)
 
     strategy.commit_listeners.append(on_commit)
-    callbacks: list[pl.Callback] = []
+    timer = StepTimer()
+    callbacks: list[pl.Callback] = [timer]
     if cfg.get("ckpt_dir"):
         callbacks.append(pl.callbacks.ModelCheckpoint(dirpath=cfg["ckpt_dir"], every_n_train_steps=int(
             cfg.get("every_n_steps", 5)), save_top_k=-1, filename="{step}"))
@@ -150,7 +248,7 @@ def run(cfg: dict) -> int:
         gradient_clip_val=cfg.get("clip"),
         logger=pl.loggers.CSVLogger(cfg["logger_dir"], name=cfg["id"]) if cfg.get("logger_dir") else False,
         enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=int(cfg.get("log_every", 1)),
-        enable_checkpointing=bool(callbacks), callbacks=callbacks, num_sanity_val_steps=0,
+        enable_checkpointing=bool(cfg.get("ckpt_dir")), callbacks=callbacks, num_sanity_val_steps=0,
         limit_val_batches=1.0 if val is not None else 0)
     emit(ev="ready", id=cfg["id"])
     try:
@@ -164,7 +262,7 @@ def run(cfg: dict) -> int:
     emit(ev="done", id=cfg["id"], step=trainer.global_step, epoch=trainer.current_epoch,
          hash=replica_hash(model, trainer.optimizers), changes=strategy.counters.changes,
          retried=strategy.counters.retried_steps, joins=strategy.counters.joins, leaves=strategy.counters.leaves,
-         resyncs=strategy.counters.resyncs, wall_s=time.time() - started,
+         resyncs=strategy.counters.resyncs, wall_s=time.time() - started, step_times=timer.times, rss_mb=_rss_mb(),
          metrics={k: float(v) for k, v in trainer.progress_bar_metrics.items() if k.startswith("spotnik/")},
          params=_dump(model, cfg))
     return 0

@@ -78,15 +78,17 @@ class StepCommitter:
         return Vote(n, [ids[r] for r in range(n) if rows[r, 2]], int(rows[:, 3].sum()))
 
     def resync(self, *, voted: bool, joiner: bool, capture: Callable[[], bytes],
-               adopt: Callable[[bytes], None], timeout_s: float) -> Resync:
+               adopt: Callable[[bytes], None], timeout_s: float, behind_may_adopt: bool = False) -> Resync:
         """Agree on committed state after a membership change (see the module doc). ``voted``:
         this member voted in the step it is discarding; ``joiner``: it has no state yet.
         ``capture()`` (donor) serialises the state, ``adopt(blob)`` (receiver) loads it.
+        ``behind_may_adopt``: members behind receive state too (manual optimization, where a
+        discarded step was rolled back and cannot be applied locally); otherwise only joiners do.
         Blocks until done; raises MembershipTimeoutError after ``timeout_s`` of repeated changes."""
         t0 = time.monotonic()
         while True:
             try:
-                return self._resync_once(voted, joiner, capture, adopt, t0)
+                return self._resync_once(voted, joiner, capture, adopt, t0, behind_may_adopt)
             except MembershipChanged as exc:
                 if time.monotonic() - t0 > timeout_s:
                     raise MembershipTimeoutError(
@@ -95,7 +97,7 @@ class StepCommitter:
                 log.info("membership changed again during resync at %s: %s", self.ring.member_id, exc)
 
     def _resync_once(self, voted: bool, joiner: bool, capture: Callable[[], bytes],
-                     adopt: Callable[[bytes], None], t0: float) -> Resync:
+                     adopt: Callable[[bytes], None], t0: float, behind_may_adopt: bool) -> Resync:
         ring = self.ring
         n, me = ring.size, ring.rank
         reliable = int(ring.me.tier == "reliable")
@@ -111,6 +113,10 @@ class StepCommitter:
             return r[0] == top - 1 and r[1] == 1 and r[3] == 0
 
         needy = [i for i, r in enumerate(rows) if r[0] < top and not commits_locally(r)]
+        stray = [i for i in needy if rows[i][3] == 0 and not behind_may_adopt]
+        if stray:  # the vote rules this out; every member sees the same rows, so all stop here
+            raise ReplicaDivergenceError(f"members {stray} of epoch {ring.epoch} are behind by more than a step "
+                                         f"without a pending step: {rows}")
         donor = None
         nbytes = 0
         if needy:

@@ -1,7 +1,8 @@
 """Fault injection at named points of a training step, for tests and benchmarks.
 
-``SPOTNIK_FAULT="<point>@<step>[,<point>@<step>...]"`` makes this worker SIGKILL itself when it
-reaches ``point`` while ``step`` steps are committed (i.e. during step ``step + 1``). Points:
+``SPOTNIK_FAULT="<point>@<step>[#<k>][,...]"`` makes this worker SIGKILL itself when it reaches
+``point`` for the ``k``-th time (default 1) while ``step`` steps are committed (i.e. during step
+``step + 1``; ``#2`` on ``vote`` hits the second ``opt.step()`` of a manual training step). Points:
 
 * ``backward`` — in the middle of backward, when the first gradient bucket is handed to the ring;
 * ``between_buckets`` — after the first bucket was all-reduced, before the second one starts;
@@ -21,17 +22,18 @@ from spotnik_lightning.api import ConfigError
 POINTS = ("backward", "between_buckets", "vote", "after_commit")
 
 
-def parse(spec: str | None) -> set[tuple[str, int]]:
-    """Parse a ``SPOTNIK_FAULT`` value; raises ConfigError naming the bad part."""
-    out: set[tuple[str, int]] = set()
+def parse(spec: str | None) -> dict[tuple[str, int], int]:
+    """Parse a ``SPOTNIK_FAULT`` value into {(point, step): k}; raises ConfigError naming the bad part."""
+    out: dict[tuple[str, int], int] = {}
     for part in (spec or "").split(","):
         part = part.strip()
         if not part:
             continue
-        point, sep, step = part.partition("@")
-        if not sep or point not in POINTS or not step.isdigit():
-            raise ConfigError(f"SPOTNIK_FAULT: expected <point>@<step> with point in {POINTS}, got {part!r}")
-        out.add((point, int(step)))
+        point, sep, rest = part.partition("@")
+        step, _, nth = rest.partition("#")
+        if not sep or point not in POINTS or not step.isdigit() or not (nth or "1").isdigit():
+            raise ConfigError(f"SPOTNIK_FAULT: expected <point>@<step>[#<k>] with point in {POINTS}, got {part!r}")
+        out[(point, int(step))] = int(nth or 1)
     return out
 
 
@@ -40,7 +42,11 @@ class Faults:
 
     def __init__(self, spec: str | None = None) -> None:
         self.points = parse(os.environ.get("SPOTNIK_FAULT") if spec is None else spec)
+        self._seen: dict[tuple[str, int], int] = {}
 
     def at(self, point: str, committed: int) -> None:
-        if (point, committed) in self.points:
-            os.kill(os.getpid(), signal.SIGKILL)
+        key = (point, committed)
+        if key in self.points:
+            self._seen[key] = self._seen.get(key, 0) + 1
+            if self._seen[key] == self.points[key]:
+                os.kill(os.getpid(), signal.SIGKILL)

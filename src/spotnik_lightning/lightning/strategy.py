@@ -17,6 +17,7 @@ Nothing here opens a socket: all communication goes through the member's :class:
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import pickle
@@ -51,8 +52,9 @@ from spotnik_lightning.sync.reducer import GradientReducer
 log = logging.getLogger("spotnik.lightning")
 
 
-class _Discarded(Exception):
-    """Raised inside the optimizer closure: the step must not be applied."""
+class _Discarded(BaseException):
+    """Raised inside the optimizer closure (or ``opt.step()`` in manual optimization): the step must
+    not be applied. A BaseException, so user code's ``except Exception`` cannot swallow it."""
 
     def __init__(self, error: SpotnikError, voted: bool, loss: Any) -> None:
         super().__init__(str(error))
@@ -100,6 +102,9 @@ class SpotnikStrategy(ParallelStrategy):
         bucket_mb: gradient bucket size (DDP's default 25).
         verify_replicas: after each commit, all-gather a hash of parameters + optimizer state and
             raise :class:`ReplicaDivergenceError` on any difference (costly; for tests).
+        atomic: ``False`` applies each step as soon as its gradients are reduced, without the commit
+            vote ("pipelined" commit, for comparison only: a member may then apply a step the others
+            discard, so replicas can diverge after a failure).
 
     Raises ConfigError at setup without a distributed launch, on a non-CPU accelerator, with
     manual optimization, or with an unsupported training DataLoader; BackendConnectionError when
@@ -113,7 +118,8 @@ class SpotnikStrategy(ParallelStrategy):
                  secret: str | bytes | None = None, heartbeat_ms: int | None = None,
                  heartbeat_timeout_ms: int | None = None, timeouts: RingTimeouts | None = None,
                  batch_policy: str = "per_worker", global_batch: int | None = None, lr_scaling: bool = False,
-                 seed: int = 0, bucket_mb: float = 25.0, verify_replicas: bool = False, **kwargs: Any) -> None:
+                 seed: int = 0, bucket_mb: float = 25.0, verify_replicas: bool = False, atomic: bool = True,
+                 **kwargs: Any) -> None:
         super().__init__(**kwargs)
         if batch_policy not in ("per_worker", "global"):
             raise ConfigError(f"batch_policy must be 'per_worker' or 'global', got {batch_policy!r}")
@@ -124,7 +130,7 @@ class SpotnikStrategy(ParallelStrategy):
                           timeouts=timeouts)
         self._secret = secret
         self.batch_policy, self.global_batch, self.lr_scaling = batch_policy, global_batch, lr_scaling
-        self.seed, self.bucket_mb, self.verify_replicas = seed, bucket_mb, verify_replicas
+        self.seed, self.bucket_mb, self.verify_replicas, self.atomic = seed, bucket_mb, verify_replicas, atomic
         self.ring: RingGroup | None = None
         self.counters = Counters()
         self.commit_listeners: list[Callable[[CommitInfo], None]] = []
@@ -142,8 +148,10 @@ class SpotnikStrategy(ParallelStrategy):
         self._leave_requested = False
         self._left = False
         self._quiet = False
+        self._manual = False
         self._vote: Vote | None = None
         self._attempts = 0
+        self._rebuilt: Any = None
         self._prev_sigterm: Any = None
         self._launcher = None
 
@@ -227,10 +235,7 @@ class SpotnikStrategy(ParallelStrategy):
         self.ring.listeners.append(self._on_membership_event)
 
     def setup(self, trainer: pl.Trainer) -> None:
-        if trainer.state.fn == TrainerFn.FITTING and not trainer.lightning_module.automatic_optimization:
-            raise ConfigError("SpotnikStrategy supports automatic optimization only: a manual training_step can apply "
-                              "several optimizer steps that cannot be discarded together (set "
-                              "automatic_optimization=True)")
+        self._manual = not trainer.lightning_module.automatic_optimization
         super().setup(trainer)
         if trainer.state.fn != TrainerFn.FITTING:
             return
@@ -311,10 +316,15 @@ class SpotnikStrategy(ParallelStrategy):
         self._resync(voted=False, joiner=False)
 
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
-        """Sync, vote, then apply — or discard, resync and recompute the same step (see module doc)."""
+        """Sync, vote, then apply — or discard, resync and recompute the same step (see module doc).
+        With manual optimization: sync and vote, then apply; a failure raises out of ``opt.step()``
+        and :meth:`training_step` reruns the whole step."""
         if self._reducer is None or self._loader is None or self._left:
             return super().optimizer_step(optimizer, closure, model, **kwargs)
         model = model or self.lightning_module
+        if self._manual:  # sync and vote now; a failure unwinds the whole training_step (see training_step)
+            self._attempt(lambda: None)()
+            return self.precision_plugin.optimizer_step(optimizer, model=model, closure=closure, **kwargs)
         self._attempts = 0
         while True:
             try:
@@ -335,6 +345,50 @@ class SpotnikStrategy(ParallelStrategy):
             self._after_commit(self._vote or Vote(self.world_size))
             return out
 
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        """Manual optimization: the whole ``training_step`` is the atomic unit. It runs on a
+        snapshot of model, optimizer and scheduler states; if any ``opt.step()`` in it fails, the
+        snapshot is restored on every member and the step reruns on the new membership."""
+        if not self._manual or self._reducer is None or self._loader is None or self._left:
+            return super().training_step(*args, **kwargs)
+        self._attempts = 0
+        while True:
+            snap = self._snapshot()
+            self._vote = None
+            try:
+                out = super().training_step(*args, **kwargs)
+            except _Discarded as d:
+                self._attempts += 1
+                self._restore(snap)
+                res = self._recover(d)
+                if res.outcome == "adopted":  # a peer finished this step: its state (and count) is ours now
+                    self._after_commit(Vote(self.world_size), advance=False)
+                    return None
+                self.counters.retried_steps += 1
+                self._rebuild_step(None, None)
+                args = (self._rebuilt, *args[1:])
+                continue
+            self._after_commit(self._vote or Vote(self.world_size))
+            return out
+
+    def _snapshot(self) -> dict[str, Any]:
+        model = self.lightning_module
+        progress = model.trainer.fit_loop.epoch_loop.manual_optimization.optim_step_progress
+        return {"model": {k: v.detach().clone() for k, v in model.state_dict().items()},
+                "progress": copy.deepcopy(progress.state_dict()),
+                "opt": [copy.deepcopy(o.state_dict()) for o in self.optimizers],
+                "sched": [copy.deepcopy(c.scheduler.state_dict()) for c in self.lr_scheduler_configs]}
+
+    def _restore(self, snap: dict[str, Any]) -> None:
+        self.lightning_module.load_state_dict(snap["model"])
+        trainer = self.lightning_module.trainer
+        trainer.fit_loop.epoch_loop.manual_optimization.optim_step_progress.load_state_dict(snap["progress"])
+        for o, sd in zip(self.optimizers, snap["opt"], strict=True):
+            o.load_state_dict(sd)
+            o.zero_grad(set_to_none=True)
+        for c, sd in zip(self.lr_scheduler_configs, snap["sched"], strict=True):
+            c.scheduler.load_state_dict(sd)
+
     def _attempt(self, closure: Callable[[], Any]) -> Callable[[], Any]:
         assert self._reducer is not None and self._loader is not None and self._committer is not None
         mine, total = self._loader.local_share()
@@ -350,6 +404,8 @@ class SpotnikStrategy(ParallelStrategy):
             if err is not None:
                 raise _Discarded(err, voted=False, loss=loss)
             self._faults.at("vote", self._committer.committed)
+            if not self.atomic:
+                return loss
             try:
                 self._vote = self._committer.vote(leaving=self._leave_requested)
             except MembershipChanged as exc:
@@ -362,9 +418,13 @@ class SpotnikStrategy(ParallelStrategy):
         """Re-split every plan of the discarded step for the new membership and recompute the
         micro-batches before the last one (the last one runs in the next attempt's closure)."""
         assert self._loader is not None and self._reducer is not None
+        n = len(self._loader.step)
+        if closure is None:  # manual optimization: one plan per training_step
+            batch = self.lightning_module._on_before_batch_transfer(self._loader.rebuild(n - 1), dataloader_idx=0)
+            self._rebuilt = super().batch_to_device(batch)
+            return
         kwargs = closure._step_fn.args[0]  # Lightning's Closure: partial(_training_step, kwargs)
         optimizer.zero_grad(set_to_none=True)
-        n = len(self._loader.step)
         for i in range(n):
             batch = self._loader.rebuild(i)
             batch = self.lightning_module._on_before_batch_transfer(batch, dataloader_idx=0)
@@ -373,9 +433,10 @@ class SpotnikStrategy(ParallelStrategy):
                 with self._reducer.disarmed():
                     closure()
 
-    def _after_commit(self, vote: Vote) -> None:
+    def _after_commit(self, vote: Vote, advance: bool = True) -> None:
         assert self._committer is not None and self._loader is not None and self.ring is not None
-        self._committer.committed += 1
+        if advance:
+            self._committer.committed += 1
         done = self._loader.commit_step()
         epoch, rank, world = done[-1].view if done else self._view()  # the membership the step committed on
         members = list(self.ring.membership.ids)
@@ -426,8 +487,9 @@ class SpotnikStrategy(ParallelStrategy):
         assert self._committer is not None and self.ring is not None
         t0 = t0 or time.monotonic()
         old_world = self._provisional[1] if joiner else self.world_size
-        res = self._committer.resync(voted=voted, joiner=joiner, capture=self._capture, adopt=self._adopt,
-                                     timeout_s=self.ring.timeouts.repair.total_seconds())
+        res = self._committer.resync(voted=voted and not self._manual, joiner=joiner, capture=self._capture,
+                                     adopt=self._adopt, timeout_s=self.ring.timeouts.repair.total_seconds(),
+                                     behind_may_adopt=self._manual)
         self._resync_needed = False
         self.counters.last_recovery_ms = (time.monotonic() - t0) * 1e3
         entry = {"member": self.ring.member_id, "epoch": res.epoch, "rank": self.ring.rank, "world": self.ring.size,
@@ -453,8 +515,12 @@ class SpotnikStrategy(ParallelStrategy):
 
     def _adopt(self, blob: bytes) -> None:
         if not self._joiner:
-            raise ReplicaDivergenceError("a member that was not joining was sent state: it fell behind further than "
-                                         "one step, which the commit vote rules out")
+            if not self._manual:
+                raise ReplicaDivergenceError("a member that was not joining was sent state: it fell behind further "
+                                             "than one step, which the commit vote rules out")
+            # manual optimization: a peer finished the training_step this member rolled back
+            transfer.apply_training_state(self.lightning_module.trainer, transfer.load(blob), loops=False)
+            return
         ckpt = transfer.load(blob)
         transfer.apply_training_state(self.lightning_module.trainer, ckpt, loops=True)
         self._adopted = ckpt["spotnik"]

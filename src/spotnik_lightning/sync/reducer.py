@@ -162,10 +162,10 @@ class GradientReducer:
             return self._error
         for b in self.buckets:
             for slot, p in enumerate(b.params):
-                if p.grad is None:
-                    p.grad = b.view(slot).clone()
-                else:
+                if p.grad is not None:
                     p.grad.copy_(b.view(slot))
+                elif bool(b.view(slot).any()):  # unused here, used elsewhere; None everywhere stays None
+                    p.grad = b.view(slot).clone()
         return None
 
     # ------------------------------------------------------------------ communication thread

@@ -1,0 +1,175 @@
+"""Lightning-level benchmarks of SpotnikStrategy (issue 3). Prints JSON; writes benchmarks/out/*.json.
+
+  step        spotnik vs Lightning DDPStrategy(gloo): median step time and peak RSS per worker
+  commit      atomic vs pipelined (no vote) commit on ResNet-50 / VGG-16 / Inception-V3 / BERT-base shapes
+  revocation  time lost per revocation in a training run (stall around each kill, and total wall time)
+  join        how long the members stall when a worker joins a 25 M-parameter model trained with Adam
+
+All runs use real processes forked from one pre-imported zygote, an embedded membership store, and
+compare against the peer in the same invocation (ratios), because the machine is shared and noisy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+import uuid
+from pathlib import Path
+
+from spotnik_lightning.bench.cluster import LocalCluster
+from spotnik_lightning.membership.embedded import EmbeddedStoreServer
+
+WORKER = "spotnik_lightning.bench.lightning_worker"
+OUT = Path(__file__).parent / "out"
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run(url: str, n: int, entry: str, timeout: float = 900, faults: dict[int, str] | None = None,
+         joiner_after: int | None = None, **cfg: object) -> tuple[dict[str, dict], list[dict]]:
+    with LocalCluster(url, f"b-{uuid.uuid4().hex[:8]}", preload=("lightning.pytorch", WORKER),
+                      entry=f"{WORKER}:{entry}", **cfg) as c:
+        port = _free_port()
+        ids = [f"w{i}" for i in range(n)]
+        for i, mid in enumerate(ids):
+            env = {"SPOTNIK_FAULT": faults[i]} if faults and i in faults else {}
+            c.spawn(mid, world_size=n, rank=i, master_port=port, env=env)
+        if joiner_after is not None:
+            c.wait_for(lambda e: e["ev"] == "commit" and e["step"] == joiner_after, timeout, "the join point")
+            c.spawn("joiner")
+            ids.append("joiner")
+        alive = [m for i, m in enumerate(ids) if not (faults and i in faults)]
+        ends = c.wait_all(alive, lambda e: e["ev"] in ("done", "error"), timeout, "the end of the run")
+        bad = {k: v for k, v in ends.items() if v["ev"] != "done"}
+        if bad:
+            raise RuntimeError(f"workers failed: {bad}")
+        return ends, c.of("commit")
+
+
+def _median_step(ends: dict[str, dict], skip: int = 3) -> float:
+    per = [statistics.median(e["step_times"][skip:] or e["step_times"]) for e in ends.values()]
+    return statistics.median(per)
+
+
+def bench_step(args: argparse.Namespace, url: str) -> dict:
+    out = {}
+    for model in args.models.split(","):
+        steps = args.steps
+        cfg = dict(model=model, batch=args.batch, n_data=args.workers * args.batch * steps, epochs=1, verify=False,
+                   hb_ms=100, hb_timeout_ms=3000, pace_s=0.0)
+        rows = []
+        for _ in range(args.repeat):  # alternate the order: the machine drifts
+            ours, _c = _run(url, args.workers, "run", **cfg)
+            theirs, _c = _run(url, args.workers, "run_ddp", **cfg)
+            rows.append({"spotnik_s": _median_step(ours), "ddp_s": _median_step(theirs),
+                         "spotnik_rss_mb": max(e["rss_mb"] for e in ours.values()),
+                         "ddp_rss_mb": max(e["rss_mb"] for e in theirs.values())})
+        res = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+        res["step_time_ratio"] = res["spotnik_s"] / res["ddp_s"]
+        res["rss_ratio"] = res["spotnik_rss_mb"] / res["ddp_rss_mb"]
+        res["runs"] = rows
+        out[model] = res
+        print(json.dumps({model: res}), flush=True)
+    return out
+
+
+def bench_commit(args: argparse.Namespace, url: str) -> dict:
+    out = {}
+    for model in args.models.split(","):
+        cfg = dict(model=model, batch=1, n_data=args.workers * args.steps, epochs=1, verify=False, hb_ms=100,
+                   hb_timeout_ms=5000, pace_s=0.0)
+        rows = []
+        for _ in range(args.repeat):
+            atomic, _c = _run(url, args.workers, "run", atomic=True, **cfg)
+            pipelined, _c = _run(url, args.workers, "run", atomic=False, **cfg)
+            rows.append({"atomic_s": _median_step(atomic, 2), "pipelined_s": _median_step(pipelined, 2)})
+        res = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+        res["throughput_ratio"] = res["pipelined_s"] / res["atomic_s"]  # atomic throughput / pipelined
+        res["runs"] = rows
+        out[model] = res
+        print(json.dumps({model: res}), flush=True)
+    return out
+
+
+def _stalls(commits: list[dict], steps: list[int]) -> list[float]:
+    """For each step s in ``steps``: the time from the commit of step s-1 to the commit of step s,
+    minus the median step interval (latest member's commit time per step)."""
+    t = {}
+    for e in commits:
+        t[e["step"]] = max(t.get(e["step"], 0.0), e["t"])
+    gaps = [t[s] - t[s - 1] for s in sorted(t) if s - 1 in t]
+    normal = statistics.median(gaps)
+    return [t[s] - t[s - 1] - normal for s in steps if s in t and s - 1 in t]
+
+
+def bench_revocation(args: argparse.Namespace, url: str) -> dict:
+    n = args.workers
+    cfg = dict(model="mlp", n_data=n * 4 * args.steps, batch=4, epochs=1, pace_s=args.pace, verify=False,
+               hb_ms=100, hb_timeout_ms=1000, bucket_mb=0.005)
+    base, _c = _run(url, n, "run", **cfg)
+    points = ["backward", "between_buckets", "vote"]
+    kill_steps = [args.steps // 4 * (k + 1) for k in range(args.kills)]
+    faults = {1 + k: f"{points[k % len(points)]}@{s}" for k, s in enumerate(kill_steps)}
+    hurt, commits = _run(url, n, "run", faults=faults, **cfg)
+    stalls = _stalls(commits, [s + 1 for s in kill_steps])
+    res = {"workers": n, "kills": faults, "fault_free_wall_s": statistics.median(e["wall_s"] for e in base.values()),
+           "with_kills_wall_s": statistics.median(e["wall_s"] for e in hurt.values()),
+           "stall_per_revocation_ms": [round(s * 1e3, 1) for s in stalls],
+           "resync_ms": sorted({r["resync_ms"] for e in hurt.values() for r in e["resyncs"]})}
+    res["wall_lost_per_revocation_s"] = (res["with_kills_wall_s"] - res["fault_free_wall_s"]) / len(faults)
+    print(json.dumps(res), flush=True)
+    return res
+
+
+def bench_join(args: argparse.Namespace, url: str) -> dict:
+    cfg = dict(model="shaped:resnet50", optimizer="adam", batch=1, n_data=args.workers * 40, epochs=1, verify=False,
+               hb_ms=100, hb_timeout_ms=5000, pace_s=0.0)
+    ends, commits = _run(url, args.workers, "run", joiner_after=8, **cfg)
+    first = min(e["step"] for e in commits if e["id"] == "joiner")
+    resyncs = [r for e in ends.values() for r in e["resyncs"]]
+    res = {"params_m": 25.56, "optimizer": "adam", "workers_before": args.workers,
+           "members_stall_ms": round(_stalls(commits, [first])[0] * 1e3, 1),
+           "state_bytes": max(r["bytes"] for r in resyncs),
+           "donor_resync_ms": max(r["resync_ms"] for r in resyncs if r["outcome"] != "adopted"),
+           "joiner_resync_ms": max(r["resync_ms"] for r in resyncs if r["outcome"] == "adopted")}
+    print(json.dumps(res), flush=True)
+    return res
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("what", choices=["step", "commit", "revocation", "join"])
+    ap.add_argument("--workers", type=int, default=4)
+    ap.add_argument("--models", default=None)
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--repeat", type=int, default=1)
+    ap.add_argument("--kills", type=int, default=3)
+    ap.add_argument("--pace", type=float, default=0.05)
+    ap.add_argument("--tag", default="")
+    args = ap.parse_args(argv)
+    if args.models is None:
+        args.models = {"step": "mlp,resnet50",
+                       "commit": "shaped:resnet50,shaped:vgg16,shaped:inception_v3,shaped:bert_base"}.get(args.what, "")
+    fn = {"step": bench_step, "commit": bench_commit, "revocation": bench_revocation, "join": bench_join}[args.what]
+    t0 = time.time()
+    with EmbeddedStoreServer("127.0.0.1", 0) as srv:
+        res = fn(args, srv.url)
+    doc = {"bench": args.what, "args": vars(args), "seconds": round(time.time() - t0, 1), "result": res}
+    OUT.mkdir(exist_ok=True)
+    (OUT / f"lightning_{args.what}{args.tag}.json").write_text(json.dumps(doc, indent=1))
+    print(json.dumps(doc))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
