@@ -24,10 +24,12 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from spotnik_lightning.api import MembershipChanged, MembershipTimeoutError, SpotnikError
+from spotnik_lightning.lightning import packing
 from spotnik_lightning.ring.group import RingGroup
 
 log = logging.getLogger("spotnik.lightning")
@@ -77,11 +79,12 @@ class StepCommitter:
                 f"{dict(zip(ids, rows[:, 1].tolist(), strict=True))}")
         return Vote(n, [ids[r] for r in range(n) if rows[r, 2]], int(rows[:, 3].sum()))
 
-    def resync(self, *, voted: bool, joiner: bool, capture: Callable[[], bytes],
-               adopt: Callable[[bytes], None], timeout_s: float, behind_may_adopt: bool = False) -> Resync:
+    def resync(self, *, voted: bool, joiner: bool, capture: Callable[[], list[torch.Tensor]],
+               adopt: Callable[[Any], None], timeout_s: float, behind_may_adopt: bool = False) -> Resync:
         """Agree on committed state after a membership change (see the module doc). ``voted``:
         this member voted in the step it is discarding; ``joiner``: it has no state yet.
-        ``capture()`` (donor) serialises the state, ``adopt(blob)`` (receiver) loads it.
+        ``capture()`` (donor) packs the state (:func:`packing.pack`), ``adopt(state)`` (receiver)
+        loads the unpacked state.
         ``behind_may_adopt``: members behind receive state too (manual optimization, where a
         discarded step was rolled back and cannot be applied locally); otherwise only joiners do.
         Blocks until done; raises MembershipTimeoutError after ``timeout_s`` of repeated changes."""
@@ -96,8 +99,8 @@ class StepCommitter:
                         f"(last change epoch {exc.old_epoch} -> {exc.new_epoch})") from exc
                 log.info("membership changed again during resync at %s: %s", self.ring.member_id, exc)
 
-    def _resync_once(self, voted: bool, joiner: bool, capture: Callable[[], bytes],
-                     adopt: Callable[[bytes], None], t0: float, behind_may_adopt: bool) -> Resync:
+    def _resync_once(self, voted: bool, joiner: bool, capture: Callable[[], list[torch.Tensor]],
+                     adopt: Callable[[Any], None], t0: float, behind_may_adopt: bool) -> Resync:
         ring = self.ring
         n, me = ring.size, ring.rank
         reliable = int(ring.me.tier == "reliable")
@@ -122,19 +125,22 @@ class StepCommitter:
         if needy:
             donor = min((i for i, r in enumerate(rows) if r[0] == top), key=lambda i: (rows[i][2] == 0, i))
             if me == donor:
-                blob = capture()
-                nbytes = len(blob)
-                payload = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+                parts = capture()
+                nbytes = sum(p.numel() * p.element_size() for p in parts)
                 for r in needy:
-                    ring.send(torch.tensor([nbytes], dtype=torch.int64), r)
-                    ring.send(payload, r)
+                    ring.send(torch.tensor([parts[0].numel()], dtype=torch.int64), r)
+                    for p in parts:
+                        ring.send(p, r)
             elif me in needy:
                 size = torch.zeros(1, dtype=torch.int64)
                 ring.recv(size, donor)
-                nbytes = int(size.item())
-                payload = torch.empty(nbytes, dtype=torch.uint8)
-                ring.recv(payload, donor)
-                adopt(payload.numpy().tobytes())
+                skeleton = torch.empty(int(size.item()), dtype=torch.uint8)
+                ring.recv(skeleton, donor)
+                head, flats = packing.layout(skeleton)
+                for f in flats:
+                    ring.recv(f, donor)
+                nbytes = skeleton.numel() + sum(f.numel() * f.element_size() for f in flats)
+                adopt(packing.unpack(head, flats))
                 self.committed = top
         if me in needy:
             outcome = "adopted"

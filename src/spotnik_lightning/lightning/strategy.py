@@ -505,7 +505,7 @@ class SpotnikStrategy(ParallelStrategy):
                     g["lr"] = g["lr"] * self.world_size / old_world
         return res
 
-    def _capture(self) -> bytes:
+    def _capture(self) -> list[torch.Tensor]:
         assert self._loader is not None and self._committer is not None
         return transfer.capture(self.lightning_module.trainer, {
             "committed": self._committer.committed,
@@ -513,15 +513,14 @@ class SpotnikStrategy(ParallelStrategy):
             "pending": [p.to_list() for p in self._loader.pending_plans()],
         })
 
-    def _adopt(self, blob: bytes) -> None:
+    def _adopt(self, ckpt: dict[str, Any]) -> None:
         if not self._joiner:
             if not self._manual:
                 raise ReplicaDivergenceError("a member that was not joining was sent state: it fell behind further "
                                              "than one step, which the commit vote rules out")
             # manual optimization: a peer finished the training_step this member rolled back
-            transfer.apply_training_state(self.lightning_module.trainer, transfer.load(blob), loops=False)
+            transfer.apply_training_state(self.lightning_module.trainer, ckpt, loops=False)
             return
-        ckpt = transfer.load(blob)
         transfer.apply_training_state(self.lightning_module.trainer, ckpt, loops=True)
         self._adopted = ckpt["spotnik"]
         self._joiner = False

@@ -2,19 +2,21 @@
 
 The payload is Lightning's own checkpoint dict (model, optimizers, LR schedulers, loop progress,
 callback states — ``dump_checkpoint``), plus a ``"spotnik"`` entry: committed step count, data
-cursor and the plans already made but not committed, and the RNG states. It is serialised with
-``torch.save`` and sent over the ring to the members that need it; the donor is taken at a step
-boundary so the receiver starts exactly where the donor is.
+cursor and the plans already made but not committed, and the RNG states. The donor is taken at a
+step boundary so the receiver starts exactly where the donor is.
+It travels in the packed form of :mod:`.packing` (one flat buffer per dtype, no pickling of
+tensor data).
 """
 
 from __future__ import annotations
 
-import io
 import random
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
+
+from spotnik_lightning.lightning.packing import pack
 
 try:  # numpy is optional for Lightning; keep its RNG in step when it is there
     import numpy as np
@@ -36,18 +38,11 @@ def set_rng_state(state: dict[str, Any]) -> None:
         np.random.set_state(state["numpy"])
 
 
-def capture(trainer: pl.Trainer, extra: dict[str, Any]) -> bytes:
-    """Serialise the trainer's full training state plus ``extra`` (the strategy's own state)."""
+def capture(trainer: pl.Trainer, extra: dict[str, Any]) -> list[torch.Tensor]:
+    """The trainer's full training state plus ``extra`` (the strategy's own state), packed."""
     ckpt = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
     ckpt["spotnik"] = {**extra, "rng": rng_state()}
-    buf = io.BytesIO()
-    torch.save(ckpt, buf)
-    return buf.getvalue()
-
-
-def load(blob: bytes) -> dict[str, Any]:
-    """Deserialise a payload from :func:`capture` (peers are authenticated by the ring's secret)."""
-    return torch.load(io.BytesIO(blob), map_location="cpu", weights_only=False)
+    return pack(ckpt)
 
 
 def apply_training_state(trainer: pl.Trainer, ckpt: dict[str, Any], *, loops: bool) -> None:
