@@ -154,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
             grads /= size
             offset = 0
             with torch.no_grad():
-                for p, b in zip(params, bufs):
+                for p, b in zip(params, bufs, strict=True):
                     n = p.numel()
                     b.mul_(MOMENTUM).add_(grads[offset:offset + n].view_as(p))
                     p.sub_(LR * b)

@@ -22,6 +22,7 @@ import hashlib
 import hmac
 import logging
 import os
+import secrets
 import socket
 import threading
 import time
@@ -83,7 +84,7 @@ class SpotnikRendezvousHandler(RendezvousHandler):
         self.cfg, self._run_store, self._nodes = cfg, run_store, node_store
         self._server = server
         self.host = host
-        self.node_id = f"{host}-{os.getpid()}"
+        self.node_id = f"{host}-{os.getpid()}-{secrets.token_hex(2)}"
         self._store = HashStore()
         self._info: RendezvousInfo | None = None
         self._stop = threading.Event()
@@ -195,7 +196,11 @@ class SpotnikRendezvousHandler(RendezvousHandler):
     def _wait_for_start(self) -> None:
         cfg = self.cfg
         deadline = time.monotonic() + cfg.wait_timeout.total_seconds()
+        next_keepalive = time.monotonic() + cfg.node_ttl.total_seconds() / 3
         while True:
+            if time.monotonic() >= next_keepalive:  # the wait can outlast the node's lease
+                self._call("refresh this node's lease", lambda: self._nodes.keepalive(self.node_id))
+                next_keepalive = time.monotonic() + cfg.node_ttl.total_seconds() / 3
             nodes = [m.id for m in self._call("list nodes", self._nodes.registered)]
             membership = self._call("read the membership", self._run_store.get_membership)
             slot = nodes.index(self.node_id) if self.node_id in nodes else len(nodes)
