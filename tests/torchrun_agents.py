@@ -13,6 +13,8 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+import psutil
+
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 TRAIN = str(Path(__file__).resolve().parents[1] / "examples" / "torchrun_train.py")
 
@@ -71,6 +73,28 @@ class Agent:
 
     def worker_pids(self) -> set[int]:
         return {m["pid"] for m in self.events()}
+
+    def kill(self) -> None:
+        """SIGKILL the agent and every process below it, by PID (torchrun puts each worker in a
+        session of its own, so a process-group kill would miss them). Waits for the agent."""
+        try:
+            procs = [psutil.Process(self.proc.pid)]
+            procs += procs[0].children(recursive=True)
+        except psutil.NoSuchProcess:
+            procs = []
+        for pid in self.worker_pids():  # workers that outlived their agent (still ours: same script)
+            try:
+                p = psutil.Process(pid)
+                if TRAIN in p.cmdline():
+                    procs.append(p)
+            except psutil.Error:
+                pass
+        for p in procs:
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
+        self.proc.wait(10)
 
     def wait(self, timeout: float) -> int | None:
         """Wait for the agent to exit; returns its exit code, or None if it did not exit in time."""
