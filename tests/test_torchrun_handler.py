@@ -4,16 +4,18 @@ with the agent (never makes it restart anyone), the worker environment, MIN/MAX,
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
-from helpers import free_port
+from helpers import free_port, wait_until
 from torch.distributed.elastic.rendezvous import (
     RendezvousConnectionError,
     RendezvousParameters,
@@ -183,3 +185,21 @@ def test_torchrun_reports_bad_input_and_starts_no_worker(case: str, etcd_server,
     assert res.returncode != 0
     assert ("unreachable" if case == "unreachable" else "job secret") in res.stderr, res.stderr[-3000:]
     assert not marker.exists()
+
+
+def test_below_min_is_logged_and_nothing_stops(etcd_server, caplog) -> None:  # noqa: ANN001
+    ring = open_store(etcd_server.url, "below")
+    ring.cas_membership(0, Membership(1, (Member("w0", "127.0.0.1", 1),)))
+    a = create_handler(params(etcd_server.url, run_id="below", nnodes=(2, 3), node_ttl_ms="600"))
+    b = create_handler(params(etcd_server.url, run_id="below", nnodes=(2, 3), node_ttl_ms="600"))
+    ring.register(Member("w0", "127.0.0.1", 1), timedelta(seconds=5))  # a live worker: the run is not dead
+    try:
+        a.next_rendezvous()
+        b.next_rendezvous()
+        caplog.set_level(logging.INFO, logger="spotnik.torchrun")
+        b.shutdown()  # one of MIN=2 nodes is gone
+        wait_until(lambda: "below MIN=2" in caplog.text, 10, "the below-MIN warning")
+        assert a.num_nodes_waiting() == 0 and a.next_rendezvous().world_size == 1  # a goes on, untouched
+    finally:
+        a.shutdown()
+        ring.close()
