@@ -15,6 +15,7 @@ Faults are made with iproute2 only (no firewall, no extra package):
   still reaches the management network (the store);
 * :meth:`NetnsBed.link_down` / :meth:`NetnsBed.link_up` take a host's data link (and optionally
   its management link) down and up;
+* :meth:`NetnsBed.kill_host` kills every process inside a host (a VM revocation);
 * :meth:`NetnsBed.rate_limit` shapes a host's egress with ``tc tbf``.
 
 :meth:`NetnsBed.cleanup` kills every process the bed started (by PID, plus any process left inside
@@ -132,6 +133,17 @@ class NetnsBed:
         self._ip(host, "link", "set", "eth0", "down")
         if mgmt:
             self._ip(host, "link", "set", "eth1", "down")
+
+    def kill_host(self, host: str) -> list[int]:
+        """A VM revocation: SIGKILL every process inside ``host``'s namespace (by PID); returns
+        the PIDs signalled."""
+        pids = self._pids_in(host)
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        return pids
 
     def link_up(self, host: str) -> None:
         for dev in ("eth0", "eth1"):
