@@ -58,11 +58,18 @@ def resolve(*, store: str | None, run_id: str | None, world_size: int | None, me
     run = run_id or env.run_id or os.environ.get("TORCHELASTIC_RUN_ID") or "spotnik-lightning"
     if "/" in run:
         raise ConfigError(f"run_id must not contain '/': {run!r}")
-    size = world_size or _int_env("SPOTNIK_WORLD_SIZE") or _int_env("WORLD_SIZE")
+    node = os.environ.get("SPOTNIK_NODE_ID")  # set by torchrun --rdzv-backend=spotnik (docs/torchrun.md)
+    local_world = _int_env("LOCAL_WORLD_SIZE") or 1
+    min_nodes = _int_env("SPOTNIK_MIN_NODES")
+    size = (world_size or _int_env("SPOTNIK_WORLD_SIZE")
+            or (min_nodes * local_world if node and min_nodes else None) or _int_env("WORLD_SIZE"))
     tier = tier or env.tier
     if tier not in TIERS:
         raise ConfigError(f"tier must be one of {TIERS}, got {tier!r}")
-    mid = member_id or os.environ.get("SPOTNIK_MEMBER_ID") or f"{socket.gethostname()}-{os.getpid()}"
+    mid = member_id or os.environ.get("SPOTNIK_MEMBER_ID")
+    if not mid and node:  # one id per worker incarnation: a restarted worker joins as a new member
+        mid = f"{node}-w{os.environ.get('LOCAL_RANK', '0')}-r{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    mid = mid or f"{socket.gethostname()}-{os.getpid()}"
     if url is not None:
         scheme, sep, rest = url.partition("://")
         target = parse_endpoints(rest if sep else scheme)[0][0]

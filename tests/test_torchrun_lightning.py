@@ -1,0 +1,63 @@
+"""A Lightning script under ``torchrun --rdzv-backend=spotnik``: the rendezvous and the strategy agree
+on the membership with no extra flags; a node that starts mid-run joins in place."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import threading
+import time
+import uuid
+from pathlib import Path
+
+from helpers import free_port
+from torchrun_agents import TORCHRUN, agent_env
+
+SCRIPT = str(Path(__file__).resolve().parents[1] / "examples" / "torchrun_lightning.py")
+
+
+class _Node:
+    def __init__(self, argv: list[str], env: dict[str, str]) -> None:
+        self.proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        self.lines: list[dict] = []
+        self._t = threading.Thread(target=self._read, daemon=True)
+        self._t.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for raw in self.proc.stdout:
+            if raw.startswith("{"):
+                self.lines.append(json.loads(raw))
+
+    def of(self, ev: str) -> list[dict]:
+        return [x for x in self.lines if x.get("ev") == ev]
+
+
+def test_lightning_script_under_spotnik_torchrun_with_a_join(tmp_path: Path) -> None:
+    endpoint, run_id = f"127.0.0.1:{free_port()}", f"tl-{uuid.uuid4().hex[:6]}"
+    argv = [TORCHRUN, "--rdzv-backend=spotnik", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={run_id}",
+            "--nnodes=2:3", "--nproc-per-node=1", "--monitor-interval=0.2",
+            "--rdzv-conf=timeout=60,heartbeat_ms=100,heartbeat_timeout_ms=1500", SCRIPT, "--epochs", "2"]
+    env = agent_env("tl-secret")
+    nodes = [_Node(argv, env), _Node(argv, env)]
+    try:
+        deadline = time.monotonic() + 90
+        while not any(len(n.of("commit")) >= 5 for n in nodes):
+            assert time.monotonic() < deadline, "the two founding nodes did not start training"
+            assert all(n.proc.poll() is None for n in nodes), "a node exited early"
+            time.sleep(0.1)
+        nodes.append(_Node(argv, env))  # a new VM: joins the running job
+        for n in nodes:
+            assert n.proc.wait(timeout=120) == 0
+    finally:
+        for n in nodes:
+            if n.proc.poll() is None:
+                n.proc.kill()
+                n.proc.wait(timeout=10)
+    finals = [n.of("final")[-1] for n in nodes]
+    assert len({f["hash"] for f in finals}) == 1 and len({f["step"] for f in finals}) == 1
+    assert [r["outcome"] for r in finals[2]["resyncs"]][:1] == ["adopted"]
+    worlds = [c["world"] for c in nodes[0].of("commit")]
+    assert worlds[0] == 2 and worlds[-1] == 3
+    # one ring: the members every node saw on its last commit are the same three workers
+    assert len({tuple(sorted(n.of("commit")[-1]["members"])) for n in nodes}) == 1
