@@ -65,7 +65,7 @@ def bench_step(args: argparse.Namespace, url: str) -> dict:
     for model in args.models.split(","):
         steps = args.steps
         cfg = dict(model=model, batch=args.batch, n_data=args.workers * args.batch * steps, epochs=1, verify=False,
-                   hb_ms=100, hb_timeout_ms=3000, pace_s=0.0)
+                   hb_ms=100, hb_timeout_ms=3000, pace_s=0.0, quiet=True)
         rows = []
         for _ in range(args.repeat):  # alternate the order: the machine drifts
             ours, _c = _run(url, args.workers, "run", **cfg)
@@ -86,7 +86,7 @@ def bench_commit(args: argparse.Namespace, url: str) -> dict:
     out = {}
     for model in args.models.split(","):
         cfg = dict(model=model, batch=1, n_data=args.workers * args.steps, epochs=1, verify=False, hb_ms=100,
-                   hb_timeout_ms=5000, pace_s=0.0)
+                   hb_timeout_ms=5000, pace_s=0.0, quiet=True)
         rows = []
         for _ in range(args.repeat):
             atomic, _c = _run(url, args.workers, "run", atomic=True, **cfg)

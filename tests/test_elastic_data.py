@@ -10,6 +10,7 @@ import pytest
 from spotnik_lightning.api import ConfigError
 from spotnik_lightning.lightning import ElasticCursor, StepPlan
 from spotnik_lightning.lightning.data import linear_lr_scale
+from spotnik_lightning.lightning.loader import ElasticLoader
 
 
 @pytest.mark.parametrize("seed", range(12))
@@ -106,3 +107,41 @@ def test_bad_configuration_is_a_clear_error() -> None:
     assert linear_lr_scale(6, 4) == 1.5
     with pytest.raises(ConfigError):
         linear_lr_scale(0, 4)
+
+
+def _loader(n: int, batch: int, view: list) -> ElasticLoader:
+    data = [(i,) for i in range(n)]
+    return ElasticLoader(data, lambda items: [i for (i,) in items], ElasticCursor(n, batch, shuffle=False),
+                         lambda: tuple(view))
+
+
+def test_loader_agrees_on_plans_at_step_start_whatever_was_prefetched() -> None:
+    view = [1, 0, 4]  # (membership epoch, rank, world)
+    ld = _loader(40, 2, view)
+    it = iter(ld)
+    first = next(it)
+    assert first == [0, 1] and ld.fetched[0].plan == StepPlan(0, 0, 8)
+    batch, status = ld.take(first)
+    assert (batch, status) is not None and status == "ok" and batch is first  # the guess was right
+    prefetched = next(it)  # guessed on 4 members...
+    ld.commit_step()
+    view[:] = [2, 0, 3]    # ...but the step runs on 3
+    batch, status = ld.take(prefetched)
+    assert batch == [8, 9] and ld.step[0].plan == StepPlan(0, 8, 6) and ld.local_share() == (2, 6)
+    view[:] = [3, 1, 2]  # discarded: retried on 2 members, re-planned from the committed cursor
+    assert ld.replan() == [[10, 11]] and ld.step[0].plan == StepPlan(0, 8, 4)
+
+
+def test_loader_ends_the_epoch_on_the_agreed_plan_and_skips_a_surplus_batch() -> None:
+    view = [1, 0, 3]
+    ld = _loader(10, 3, view)
+    it = iter(ld)
+    _, status = ld.take(next(it))
+    assert status == "last" and ld.step[0].plan == StepPlan(0, 0, 10)  # 9 + a tail of 1 < 3 members
+    surplus = next(it)  # Lightning fetches ahead: a stand-in past the guessed end
+    assert ld.fetched[-1].plan is None
+    view[:] = [2, 0, 1]  # the last step is retried on one member: it still takes the whole rest
+    assert ld.replan() == [list(range(10))]
+    ld.commit_step()
+    assert ld.cursor.epoch == 1 and ld.take(surplus)[1] == "skip"
+    assert list(it) == []  # and the epoch's iterator is over

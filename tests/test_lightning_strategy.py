@@ -151,7 +151,9 @@ def test_accumulation_clipping_validation_and_metrics(embedded_server, tmp_path:
         for mid in ids:
             c.spawn(mid, world_size=3, env={"SPOTNIK_FAULT": "vote@5"} if mid == "w2" else {})
         by_step = check_run(c, ["w0", "w1"], epochs=2)
-        assert all(len(evs[0]["plans"]) == 2 for s, evs in by_step.items() if s != max(by_step))
+        for evs in by_step.values():  # two micro-batches per step, except a window cut by the epoch's end
+            plans = evs[0]["plans"]
+            assert len(plans) == 2 or plans[-1][1] + plans[-1][2] == N_DATA, plans
         ends = {e["id"]: e for e in c.of("done")}
         assert ends["w0"]["metrics"]["spotnik/world"] == 2.0 and ends["w0"]["metrics"]["spotnik/epoch"] >= 2
     logged = "".join(p.read_text() for p in tmp_path.rglob("metrics.csv"))

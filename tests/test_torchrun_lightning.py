@@ -17,8 +17,10 @@ SCRIPT = str(Path(__file__).resolve().parents[1] / "examples" / "torchrun_lightn
 
 
 class _Node:
-    def __init__(self, argv: list[str], env: dict[str, str]) -> None:
-        self.proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    def __init__(self, argv: list[str], env: dict[str, str], log: Path) -> None:
+        self.log = log
+        with open(log, "w") as err:
+            self.proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=err, text=True)
         self.lines: list[dict] = []
         self._t = threading.Thread(target=self._read, daemon=True)
         self._t.start()
@@ -37,18 +39,20 @@ def test_lightning_script_under_spotnik_torchrun_with_a_join(tmp_path: Path) -> 
     endpoint, run_id = f"127.0.0.1:{free_port()}", f"tl-{uuid.uuid4().hex[:6]}"
     argv = [TORCHRUN, "--rdzv-backend=spotnik", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={run_id}",
             "--nnodes=2:3", "--nproc-per-node=1", "--monitor-interval=0.2",
-            "--rdzv-conf=timeout=60,heartbeat_ms=100,heartbeat_timeout_ms=1500", SCRIPT, "--epochs", "2"]
+            "--rdzv-conf=timeout=60,heartbeat_ms=100,heartbeat_timeout_ms=1500",
+            # long enough (~15 s) for the third node to start torch and Lightning and join
+            SCRIPT, "--epochs", "3", "--n-data", "1024", "--pace", "0.03"]
     env = agent_env("tl-secret")
-    nodes = [_Node(argv, env), _Node(argv, env)]
+    nodes = [_Node(argv, env, tmp_path / "a.log"), _Node(argv, env, tmp_path / "b.log")]
     try:
         deadline = time.monotonic() + 90
         while not any(len(n.of("commit")) >= 5 for n in nodes):
             assert time.monotonic() < deadline, "the two founding nodes did not start training"
             assert all(n.proc.poll() is None for n in nodes), "a node exited early"
             time.sleep(0.1)
-        nodes.append(_Node(argv, env))  # a new VM: joins the running job
+        nodes.append(_Node(argv, env, tmp_path / "c.log"))  # a new VM: joins the running job
         for n in nodes:
-            assert n.proc.wait(timeout=120) == 0
+            assert n.proc.wait(timeout=120) == 0, n.log.read_text()[-3000:]
     finally:
         for n in nodes:
             if n.proc.poll() is None:

@@ -236,7 +236,8 @@ def run(cfg: dict) -> int:
              members=info.members, plans=info.plans, indices=info.indices, seen=model.last_indices,
              attempts=info.attempts, hash=info.replica_hash)
 
-    strategy.commit_listeners.append(on_commit)
+    if not cfg.get("quiet"):
+        strategy.commit_listeners.append(on_commit)
     timer = StepTimer()
     callbacks: list[pl.Callback] = [timer]
     if cfg.get("ckpt_dir"):

@@ -1,11 +1,17 @@
 """The training loader the strategy puts in place of the user's DataLoader.
 
-:class:`ElasticLoader` yields one batch per :class:`StepPlan` of the :class:`ElasticCursor`, built
-in this process (``collate_fn([dataset[i] for i in my slice])``) for the member's current rank.
-Plans are fixed when fetched (Lightning fetches one batch ahead); the strategy re-splits a batch
-whose membership changed before it ran (:meth:`rebuild`) and commits the plans of a step when the
-step commits (:meth:`commit_step`). The iterator has no ``__len__``: an epoch ends when the
-cursor's permutation is covered, however the world changed on the way.
+Members must agree on every step's :class:`StepPlan` (which samples the step consumes), but each
+member learns of a membership change at its own moment. So a plan is made only where all members
+stand on the same membership: when the step starts (:meth:`ElasticLoader.take`, after any resync
+and admission) and again when a discarded step is retried (:meth:`ElasticLoader.replan`), always
+from the committed cursor and the ring's current size.
+
+Lightning fetches one batch ahead, before the current step's plan exists, so the iterator yields
+*provisional* batches (its best guess, built for the local view); ``take`` rebuilds a batch whose
+guess was wrong. The epoch ends when the agreed plans cover the permutation: ``take`` reports the
+step that reaches the end (the strategy marks it as Lightning's last batch, so validation and
+epoch-end hooks run as usual) and reports a surplus fetched batch as "skip". The iterator has no
+``__len__``.
 """
 
 from __future__ import annotations
@@ -21,31 +27,33 @@ from torch.utils.data.dataloader import default_collate
 from spotnik_lightning.api import ConfigError
 from spotnik_lightning.lightning.data import ElasticCursor, StepPlan
 
+View = tuple[int, int, int]  # (membership epoch, rank, world)
+
 
 @dataclass
 class Fetched:
-    """A plan and the batch built for it: its indices, whether they count, and for which view."""
+    """A batch's plan (None: a provisional stand-in past the guessed end), its indices, whether
+    they count, and the view it was split for."""
 
-    plan: StepPlan
+    plan: StepPlan | None
     indices: list[int]
     counted: bool
-    view: tuple[int, int, int]  # (membership epoch, rank, world) the batch was split for
+    view: View
 
 
 class ElasticLoader:
-    """Iterable over the current epoch's remaining plans. ``view()`` returns the caller's current
-    ``(membership epoch, rank, world)``; it is read at fetch time and again by :meth:`rebuild`."""
+    """Iterable over the current epoch's steps. ``view()`` returns the caller's current view."""
 
     def __init__(self, dataset: Any, collate_fn: Callable[[list], Any], cursor: ElasticCursor,
-                 view: Callable[[], tuple[int, int, int]]) -> None:
+                 view: Callable[[], View]) -> None:
         self.dataset, self.collate_fn, self.cursor, self.view = dataset, collate_fn, cursor, view
         self.fetched: deque[Fetched] = deque()  # yielded, not yet handed to a step
-        self.step: list[Fetched] = []           # handed to the current step, not committed
-        self._replay: deque[StepPlan] = deque()  # plans adopted from a donor, to yield first
-        self._last: StepPlan | None = None
+        self.step: list[Fetched] = []           # the current step's agreed plans, not committed
+        self.last_step = False                  # the current step reaches the end of the epoch
+        self._epoch = cursor.epoch              # the epoch Lightning is iterating
 
     @classmethod
-    def wrap(cls, dl: DataLoader, view: Callable[[], tuple[int, int, int]], *, seed: int, policy: str,
+    def wrap(cls, dl: DataLoader, view: Callable[[], View], *, seed: int, policy: str,
              global_batch: int | None) -> ElasticLoader:
         """Build from a user's map-style DataLoader (its dataset, batch size, collate_fn, shuffle).
         Raises ConfigError for an IterableDataset, a custom sampler, or no batch size."""
@@ -61,68 +69,91 @@ class ElasticLoader:
                                shuffle=isinstance(dl.sampler, RandomSampler))
         return cls(dl.dataset, dl.collate_fn or default_collate, cursor, view)
 
-    # ------------------------------------------------------------------ iteration
+    # ------------------------------------------------------------------ iteration (provisional)
     def __iter__(self) -> Iterator[Any]:
-        self._last = None
+        self.fetched.clear()
+        self._epoch = self.cursor.epoch
         return self._iterate()
+
+    def _guess_after(self) -> StepPlan | None:
+        for e in reversed(self.fetched):
+            if e.plan is not None:
+                return e.plan
+        return self.step[-1].plan if self.step else None
 
     def _iterate(self) -> Iterator[Any]:
         while True:
-            if self._replay:
-                plan: StepPlan | None = self._replay.popleft()
-            else:
-                view = self.view()
-                plan = self.cursor.plan(view[2], after=self._last)
-            if plan is None:
-                return
-            self._last = plan
-            entry, batch = self._build(plan)
+            if self.cursor.epoch != self._epoch and not self.step:
+                return  # the epoch's last plan committed
+            view = self.view()
+            after = self._guess_after()
+            plan = self.cursor.plan(view[2], after=after)
+            if plan is not None and plan.epoch != self._epoch:
+                plan = None
+            if plan is None and any(e.plan is None for e in self.fetched):
+                return  # one stand-in past the guessed end is enough
+            entry, batch = self._build(plan, view)
             self.fetched.append(entry)
             yield batch
 
-    def _build(self, plan: StepPlan) -> tuple[Fetched, Any]:
-        view = self.view()
+    def _build(self, plan: StepPlan | None, view: View) -> tuple[Fetched, Any]:
+        if plan is None:  # a stand-in: built from the first sample, never trained on
+            return Fetched(None, [], False, view), self.collate_fn([self.dataset[int(self.cursor.permutation()[0])]])
         indices, counted = self.cursor.split(plan, view[1], view[2])
         return Fetched(plan, indices, counted, view), self.collate_fn([self.dataset[i] for i in indices])
 
-    # ------------------------------------------------------------------ strategy side
-    def take(self, batch: Any) -> Any:
-        """The fetched batch is about to run as part of the current step: move its plan to the
-        step, re-splitting it if the membership changed since it was fetched."""
+    # ------------------------------------------------------------------ agreed plans (strategy side)
+    def take(self, batch: Any) -> tuple[Any, str]:
+        """The fetched ``batch`` is about to run as the current step's next micro-batch: make its
+        agreed plan and return ``(batch to train on, status)``; status is ``"ok"``, ``"last"``
+        (this plan ends the epoch) or ``"skip"`` (the epoch is already covered: do not train)."""
         if not self.fetched:
             raise ConfigError("a training batch arrived that the elastic loader did not produce")
         entry = self.fetched.popleft()
+        view = self.view()
+        plan = self.cursor.plan(view[2], after=self.step[-1].plan if self.step else None)
+        if plan is None or plan.epoch != self._epoch:
+            return batch, "skip"
+        if entry.plan != plan or entry.view != view:
+            entry, batch = self._build(plan, view)
         self.step.append(entry)
-        if entry.view != self.view():
-            return self.rebuild(len(self.step) - 1)
-        return batch
+        self.last_step = plan.stop >= self.cursor.dataset_len
+        return batch, "last" if self.last_step else "ok"
 
-    def rebuild(self, i: int) -> Any:
-        """Re-split the step's ``i``-th plan for the current view and return its new batch."""
-        entry, batch = self._build(self.step[i].plan)
-        self.step[i] = entry
-        return batch
+    def replan(self) -> list[Any]:
+        """After a discarded step: re-make every plan of the step for the current view, from the
+        committed cursor (the last one takes the rest of the epoch if the step was the epoch's last,
+        since Lightning ends the epoch after it). Returns the new batches, in order."""
+        view = self.view()
+        batches, prev = [], None
+        for i in range(len(self.step)):
+            plan = self.cursor.plan(view[2], after=prev)
+            if plan is None or plan.epoch != self._epoch:
+                raise ConfigError(f"re-planning step plan {i} found the epoch already covered")  # plans only shrink
+            if i == len(self.step) - 1 and self.last_step:
+                plan = StepPlan(plan.epoch, plan.start, self.cursor.dataset_len - plan.start)
+            entry, batch = self._build(plan, view)
+            self.step[i] = entry
+            batches.append(batch)
+            prev = plan
+        return batches
 
     def local_share(self) -> tuple[int, int]:
         """(samples counted by this member, samples in the step) for the current step."""
         mine = sum(len(e.indices) for e in self.step if e.counted)
-        return mine, sum(e.plan.size for e in self.step)
+        return mine, sum(e.plan.size for e in self.step if e.plan is not None)
 
     def commit_step(self) -> list[Fetched]:
         """The current step committed: advance the cursor past its plans; returns them."""
-        done, self.step = self.step, []
+        done, self.step, self.last_step = self.step, [], False
         for e in done:
+            assert e.plan is not None
             self.cursor.commit(e.plan)
         return done
 
-    def pending_plans(self) -> list[StepPlan]:
-        """Plans made but not committed, in order (the current step's, then fetched ahead)."""
-        return [e.plan for e in self.step] + [e.plan for e in self.fetched]
-
-    def adopt(self, cursor_state: dict, pending: list[list[int]]) -> None:
-        """Take a donor's cursor and pending plans (before iteration starts): the plans are
-        yielded first, so this member's steps use exactly the donor's plans."""
+    def adopt(self, cursor_state: dict) -> None:
+        """Take a donor's cursor (before iteration starts)."""
         self.cursor.load_state_dict(cursor_state)
         self.fetched.clear()
-        self.step = []
-        self._replay = deque(StepPlan(*p) for p in pending)
+        self.step, self.last_step = [], False
+        self._epoch = self.cursor.epoch

@@ -149,6 +149,8 @@ class SpotnikStrategy(ParallelStrategy):
         self._left = False
         self._quiet = False
         self._manual = False
+        self._skip_batch = False
+        self._user_batch_start: Any = None
         self._vote: Vote | None = None
         self._attempts = 0
         self._rebuilt: Any = None
@@ -241,6 +243,10 @@ class SpotnikStrategy(ParallelStrategy):
             return
         if not any(isinstance(cb, SpotnikMetrics) for cb in trainer.callbacks):
             trainer.callbacks.append(SpotnikMetrics(self))
+        module = trainer.lightning_module
+        if self._user_batch_start is None:
+            self._user_batch_start = module.on_train_batch_start
+            module.on_train_batch_start = self._on_train_batch_start  # type: ignore[method-assign]
         if self._joiner:
             trainer.num_sanity_val_steps = 0  # the members are training: no collectives of our own now
             self._create_ring(None)  # blocks until admitted at the members' next step
@@ -274,7 +280,7 @@ class SpotnikStrategy(ParallelStrategy):
         self._loader = ElasticLoader.wrap(dataloader, self._view, seed=self.seed, policy=self.batch_policy,
                                           global_batch=self.global_batch)
         if self._adopted is not None:
-            self._loader.adopt(self._adopted["cursor"], self._adopted["pending"])
+            self._loader.adopt(self._adopted["cursor"])
             self._adopted = None
         return self._loader
 
@@ -297,10 +303,22 @@ class SpotnikStrategy(ParallelStrategy):
                 self._resync(voted=False, joiner=False)
             if self._admit_next:
                 self._admit()
-        fresh = self._loader.take(batch)
+        fresh, status = self._loader.take(batch)
+        if status == "skip":  # the agreed plans already cover the epoch: end it without training
+            self._skip_batch = True
+            return super().batch_to_device(batch, device, dataloader_idx)
+        if status == "last":  # Lightning's own end-of-epoch logic (validation, accumulation) follows
+            trainer.fit_loop.epoch_loop.batch_progress.is_last_batch = True
         if fresh is not batch:
             fresh = self.lightning_module._on_before_batch_transfer(fresh, dataloader_idx=dataloader_idx)
         return super().batch_to_device(fresh, device, dataloader_idx)
+
+    def _on_train_batch_start(self, batch: Any, batch_idx: int) -> Any:
+        """Wraps the LightningModule's hook: -1 (Lightning: end this epoch) for a surplus batch."""
+        if self._skip_batch:
+            self._skip_batch = False
+            return -1
+        return self._user_batch_start(batch, batch_idx)
 
     def _admit(self) -> None:
         self._admit_next = False
@@ -415,21 +433,19 @@ class SpotnikStrategy(ParallelStrategy):
         return run
 
     def _rebuild_step(self, closure: Any, optimizer: Any) -> None:
-        """Re-split every plan of the discarded step for the new membership and recompute the
-        micro-batches before the last one (the last one runs in the next attempt's closure)."""
+        """Re-plan every micro-batch of the discarded step for the new membership and recompute
+        those before the last one (the last one runs in the next attempt's closure)."""
         assert self._loader is not None and self._reducer is not None
-        n = len(self._loader.step)
+        batches = [super(SpotnikStrategy, self).batch_to_device(
+            self.lightning_module._on_before_batch_transfer(b, dataloader_idx=0)) for b in self._loader.replan()]
         if closure is None:  # manual optimization: one plan per training_step
-            batch = self.lightning_module._on_before_batch_transfer(self._loader.rebuild(n - 1), dataloader_idx=0)
-            self._rebuilt = super().batch_to_device(batch)
+            self._rebuilt = batches[-1]
             return
         kwargs = closure._step_fn.args[0]  # Lightning's Closure: partial(_training_step, kwargs)
         optimizer.zero_grad(set_to_none=True)
-        for i in range(n):
-            batch = self._loader.rebuild(i)
-            batch = self.lightning_module._on_before_batch_transfer(batch, dataloader_idx=0)
-            kwargs["batch"] = super().batch_to_device(batch)
-            if i < n - 1:
+        for i, batch in enumerate(batches):
+            kwargs["batch"] = batch
+            if i < len(batches) - 1:
                 with self._reducer.disarmed():
                     closure()
 
@@ -510,7 +526,6 @@ class SpotnikStrategy(ParallelStrategy):
         return transfer.capture(self.lightning_module.trainer, {
             "committed": self._committer.committed,
             "cursor": self._loader.cursor.state_dict(),
-            "pending": [p.to_list() for p in self._loader.pending_plans()],
         })
 
     def _adopt(self, ckpt: dict[str, Any]) -> None:
@@ -639,7 +654,7 @@ class SpotnikStrategy(ParallelStrategy):
         state = ckpt.get("spotnik")
         if state is not None:
             # a new job resumes: fresh membership epochs, same data position (pending plans are re-made)
-            self._adopted = {"cursor": state["cursor"], "pending": []}
+            self._adopted = {"cursor": state["cursor"]}
             if self._committer is not None:
                 self._committer.committed = int(state["committed"])
         return ckpt
@@ -655,6 +670,10 @@ class SpotnikStrategy(ParallelStrategy):
             self.ring.leave()  # SIGTERM outside a step: leave at once, the others repair
 
     def teardown(self) -> None:
+        module = self.lightning_module
+        if module is not None and self._user_batch_start is not None:
+            del module.on_train_batch_start  # the instance attribute; the class's hook shows again
+            self._user_batch_start = None
         if self._prev_sigterm is not None:
             signal.signal(signal.SIGTERM, self._prev_sigterm)
             self._prev_sigterm = None
