@@ -13,6 +13,10 @@ _TARGET = "lightning.pytorch"
 
 
 def register_strategy() -> None:
+    """Add ``"spotnik"`` to Lightning's StrategyRegistry (idempotent)."""
+    half = sys.modules.get("spotnik_lightning.lightning.strategy")
+    if half is not None and not hasattr(half, "SpotnikStrategy"):
+        return  # that module is importing Lightning right now; it registers itself once defined
     from lightning.pytorch.strategies import StrategyRegistry
 
     from spotnik_lightning.lightning.strategy import SpotnikStrategy

@@ -35,6 +35,43 @@ from spotnik_lightning.ring.group import RingGroup
 log = logging.getLogger("spotnik.lightning")
 
 
+class StepDiscarded(BaseException):
+    """Raised inside the optimizer closure (or ``opt.step()`` in manual optimization): the step must
+    not be applied. A BaseException, so user code's ``except Exception`` cannot swallow it."""
+
+    def __init__(self, error: SpotnikError, voted: bool, loss: Any) -> None:
+        super().__init__(str(error))
+        self.error, self.voted, self.loss = error, voted, loss
+
+
+@dataclass
+class CommitInfo:
+    """What :attr:`SpotnikStrategy.commit_listeners` receive after every committed step."""
+
+    step: int
+    epoch: int
+    rank: int
+    world: int
+    members: list[str]
+    plans: list[list[int]]
+    indices: list[int]
+    attempts: int
+    replica_hash: str | None = None
+
+
+@dataclass
+class Counters:
+    """What a member saw: membership changes, retried steps, joins, leaves, the last recovery time
+    (discard to resume) and one entry per resync (the ``spotnik_resync`` log line's fields)."""
+
+    changes: int = 0
+    retried_steps: int = 0
+    joins: int = 0
+    leaves: int = 0
+    last_recovery_ms: float = 0.0
+    resyncs: list[dict] = field(default_factory=list)
+
+
 class ReplicaDivergenceError(SpotnikError):
     """Replicas disagree on committed state (step count or, with ``verify_replicas``, a hash)."""
 

@@ -17,16 +17,10 @@ Nothing here opens a socket: all communication goes through the member's :class:
 
 from __future__ import annotations
 
-import copy
-import json
 import logging
-import pickle
 import signal
 import sys
-import time
 from collections.abc import Callable
-from contextlib import contextmanager
-from dataclasses import dataclass, field
 from typing import Any
 
 import lightning.pytorch as pl
@@ -37,11 +31,21 @@ from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities import rank_zero
 from torch.utils.data import DataLoader
 
-from spotnik_lightning.api import ConfigError, MembershipChanged, RingTimeouts, SpotnikError
-from spotnik_lightning.lightning import transfer
-from spotnik_lightning.lightning.commit import ReplicaDivergenceError, Resync, StepCommitter, Vote
+from spotnik_lightning._register import register_strategy
+from spotnik_lightning.api import ConfigError, MembershipChanged, RingTimeouts
+from spotnik_lightning.lightning.changes import MembershipHandling
+from spotnik_lightning.lightning.collectives import RingCollectives
+from spotnik_lightning.lightning.commit import (
+    CommitInfo,
+    Counters,
+    ReplicaDivergenceError,
+    StepCommitter,
+    StepDiscarded,
+    Vote,
+)
 from spotnik_lightning.lightning.faults import Faults
 from spotnik_lightning.lightning.loader import ElasticLoader
+from spotnik_lightning.lightning.manual import ManualSteps
 from spotnik_lightning.lightning.metrics import SpotnikMetrics
 from spotnik_lightning.lightning.settings import open_membership_store, resolve
 from spotnik_lightning.lightning.verify import replica_hash
@@ -52,41 +56,7 @@ from spotnik_lightning.sync.reducer import GradientReducer
 log = logging.getLogger("spotnik.lightning")
 
 
-class _Discarded(BaseException):
-    """Raised inside the optimizer closure (or ``opt.step()`` in manual optimization): the step must
-    not be applied. A BaseException, so user code's ``except Exception`` cannot swallow it."""
-
-    def __init__(self, error: SpotnikError, voted: bool, loss: Any) -> None:
-        super().__init__(str(error))
-        self.error, self.voted, self.loss = error, voted, loss
-
-
-@dataclass
-class CommitInfo:
-    """What :attr:`SpotnikStrategy.commit_listeners` receive after every committed step."""
-
-    step: int
-    epoch: int
-    rank: int
-    world: int
-    members: list[str]
-    plans: list[list[int]]
-    indices: list[int]
-    attempts: int
-    replica_hash: str | None = None
-
-
-@dataclass
-class Counters:
-    changes: int = 0
-    retried_steps: int = 0
-    joins: int = 0
-    leaves: int = 0
-    last_recovery_ms: float = 0.0
-    resyncs: list[dict] = field(default_factory=list)
-
-
-class SpotnikStrategy(ParallelStrategy):
+class SpotnikStrategy(MembershipHandling, ManualSteps, RingCollectives, ParallelStrategy):
     """Data-parallel CPU training on a self-repairing ring (``Trainer(strategy="spotnik")``).
 
     Args (all optional; the environment set by the launcher fills the rest, see :mod:`.settings`):
@@ -348,7 +318,7 @@ class SpotnikStrategy(ParallelStrategy):
             try:
                 out = self.precision_plugin.optimizer_step(optimizer, model=model, closure=self._attempt(closure),
                                                            **kwargs)
-            except _Discarded as d:
+            except StepDiscarded as d:
                 self._attempts += 1
                 res = self._recover(d)
                 if res.outcome == "commit":
@@ -363,50 +333,6 @@ class SpotnikStrategy(ParallelStrategy):
             self._after_commit(self._vote or Vote(self.world_size))
             return out
 
-    def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        """Manual optimization: the whole ``training_step`` is the atomic unit. It runs on a
-        snapshot of model, optimizer and scheduler states; if any ``opt.step()`` in it fails, the
-        snapshot is restored on every member and the step reruns on the new membership."""
-        if not self._manual or self._reducer is None or self._loader is None or self._left:
-            return super().training_step(*args, **kwargs)
-        self._attempts = 0
-        while True:
-            snap = self._snapshot()
-            self._vote = None
-            try:
-                out = super().training_step(*args, **kwargs)
-            except _Discarded as d:
-                self._attempts += 1
-                self._restore(snap)
-                res = self._recover(d)
-                if res.outcome == "adopted":  # a peer finished this step: its state (and count) is ours now
-                    self._after_commit(Vote(self.world_size), advance=False)
-                    return None
-                self.counters.retried_steps += 1
-                self._rebuild_step(None, None)
-                args = (self._rebuilt, *args[1:])
-                continue
-            self._after_commit(self._vote or Vote(self.world_size))
-            return out
-
-    def _snapshot(self) -> dict[str, Any]:
-        model = self.lightning_module
-        progress = model.trainer.fit_loop.epoch_loop.manual_optimization.optim_step_progress
-        return {"model": {k: v.detach().clone() for k, v in model.state_dict().items()},
-                "progress": copy.deepcopy(progress.state_dict()),
-                "opt": [copy.deepcopy(o.state_dict()) for o in self.optimizers],
-                "sched": [copy.deepcopy(c.scheduler.state_dict()) for c in self.lr_scheduler_configs]}
-
-    def _restore(self, snap: dict[str, Any]) -> None:
-        self.lightning_module.load_state_dict(snap["model"])
-        trainer = self.lightning_module.trainer
-        trainer.fit_loop.epoch_loop.manual_optimization.optim_step_progress.load_state_dict(snap["progress"])
-        for o, sd in zip(self.optimizers, snap["opt"], strict=True):
-            o.load_state_dict(sd)
-            o.zero_grad(set_to_none=True)
-        for c, sd in zip(self.lr_scheduler_configs, snap["sched"], strict=True):
-            c.scheduler.load_state_dict(sd)
-
     def _attempt(self, closure: Callable[[], Any]) -> Callable[[], Any]:
         assert self._reducer is not None and self._loader is not None and self._committer is not None
         mine, total = self._loader.local_share()
@@ -420,14 +346,14 @@ class SpotnikStrategy(ParallelStrategy):
             finally:
                 err = self._reducer.finish()
             if err is not None:
-                raise _Discarded(err, voted=False, loss=loss)
+                raise StepDiscarded(err, voted=False, loss=loss)
             self._faults.at("vote", self._committer.committed)
             if not self.atomic:
                 return loss
             try:
                 self._vote = self._committer.vote(leaving=self._leave_requested)
             except MembershipChanged as exc:
-                raise _Discarded(exc, voted=True, loss=loss) from None
+                raise StepDiscarded(exc, voted=True, loss=loss) from None
             return loss
 
         return run
@@ -486,162 +412,6 @@ class SpotnikStrategy(ParallelStrategy):
                                          f"{self.ring.epoch}: {[bytes(r.tolist()).hex() for r in rows]}")
         return digest
 
-    # ------------------------------------------------------------------ membership changes
-    def _recover(self, d: _Discarded) -> Resync:
-        if not isinstance(d.error, MembershipChanged):
-            raise d.error
-        self._note_change(d.error)
-        return self._resync(voted=d.voted, joiner=False, t0=time.monotonic())
-
-    def _note_change(self, exc: MembershipChanged) -> None:
-        self.counters.changes += 1
-        self._resync_needed = False
-        log.info("step %d discarded at %s: %s", self._committer.committed if self._committer else -1,
-                 self.ring.member_id if self.ring else "?", exc)
-
-    def _resync(self, *, voted: bool, joiner: bool, t0: float | None = None) -> Resync:
-        assert self._committer is not None and self.ring is not None
-        t0 = t0 or time.monotonic()
-        old_world = self._provisional[1] if joiner else self.world_size
-        res = self._committer.resync(voted=voted and not self._manual, joiner=joiner, capture=self._capture,
-                                     adopt=self._adopt, timeout_s=self.ring.timeouts.repair.total_seconds(),
-                                     behind_may_adopt=self._manual)
-        self._resync_needed = False
-        self.counters.last_recovery_ms = (time.monotonic() - t0) * 1e3
-        entry = {"member": self.ring.member_id, "epoch": res.epoch, "rank": self.ring.rank, "world": self.ring.size,
-                 "committed": self._committer.committed, "outcome": res.outcome, "donor": res.donor,
-                 "receivers": res.receivers, "bytes": res.nbytes, "resync_ms": round(res.ms, 2),
-                 "recovery_ms": round(self.counters.last_recovery_ms, 2)}
-        self.counters.resyncs.append(entry)
-        log.info("spotnik_resync %s", json.dumps(entry, sort_keys=True))
-        self._set_rank_zero()
-        if self.lr_scaling and not joiner and self.world_size != old_world:
-            for opt in self.optimizers:
-                for g in opt.param_groups:
-                    g["lr"] = g["lr"] * self.world_size / old_world
-        return res
-
-    def _capture(self) -> list[torch.Tensor]:
-        assert self._loader is not None and self._committer is not None
-        return transfer.capture(self.lightning_module.trainer, {
-            "committed": self._committer.committed,
-            "cursor": self._loader.cursor.state_dict(),
-        })
-
-    def _adopt(self, ckpt: dict[str, Any]) -> None:
-        if not self._joiner:
-            if not self._manual:
-                raise ReplicaDivergenceError("a member that was not joining was sent state: it fell behind further "
-                                             "than one step, which the commit vote rules out")
-            # manual optimization: a peer finished the training_step this member rolled back
-            transfer.apply_training_state(self.lightning_module.trainer, ckpt, loops=False)
-            return
-        transfer.apply_training_state(self.lightning_module.trainer, ckpt, loops=True)
-        self._adopted = ckpt["spotnik"]
-        self._joiner = False
-
-    def _on_membership_event(self, event: Any) -> None:
-        log.info("spotnik_membership %s", json.dumps({"kind": event.kind, "epoch": event.new_epoch,
-                                                      "members": list(event.members),
-                                                      "latency_ms": event.latency_ms}, sort_keys=True))
-
-    # ------------------------------------------------------------------ leaving
-    def _leave(self) -> None:
-        """Leave after the step this member voted to leave in; Lightning then exits (SIGTERMException)."""
-        assert self.ring is not None
-        log.info("%s leaves the ring after step %d", self.ring.member_id, self._committer.committed)
-        self._provisional = (self.ring.rank, 1)
-        if self._reducer is not None:
-            self._reducer.close()
-        self.ring.leave()
-        self._left = True
-        self.counters.leaves += 1
-        trainer = self.lightning_module.trainer
-        trainer._signal_connector.received_sigterm = True
-
-    def _await_departure(self, leaving: list[str]) -> None:
-        """Survivors: observe the leavers' departure in a barrier (they never enter it), so the
-        next step starts on the new membership and nothing is retried."""
-        assert self.ring is not None
-        deadline = time.monotonic() + self.ring.timeouts.repair.total_seconds()
-        while any(i in self.ring.membership for i in leaving):
-            if time.monotonic() > deadline:
-                raise SpotnikError(f"members {leaving} voted to leave but are still in epoch {self.ring.epoch}")
-            try:
-                self.ring.barrier()
-            except MembershipChanged as exc:
-                self.counters.changes += 1
-                self.counters.leaves += len(leaving)
-                log.info("%s saw %s leave: %s", self.ring.member_id, leaving, exc)
-        self._set_rank_zero()
-
-    # ------------------------------------------------------------------ collectives for Lightning
-    def _collective(self, fn: Callable[[], Any]) -> Any:
-        """Run a ring collective; after a membership change, retry it on the new membership and
-        resync at the next step boundary."""
-        for _ in range(8):
-            try:
-                return fn()
-            except MembershipChanged as exc:
-                self._note_change(exc)
-                self._resync_needed = True
-        raise SpotnikError("collective kept failing across 8 membership changes")
-
-    def _distributed(self) -> bool:
-        return self.ring is not None and not self._left and not self._quiet and self.ring.size > 1
-
-    def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
-        if not isinstance(tensor, torch.Tensor) or not self._distributed():
-            return tensor
-        op = str(getattr(reduce_op, "name", reduce_op) or "mean").lower().replace("reduceop.", "")
-        op = {"avg": "mean"}.get(op, op)
-        if op not in ("sum", "mean", "max", "min"):
-            raise ConfigError(f"SpotnikStrategy.reduce: unsupported reduce_op {reduce_op!r}")
-        t = tensor.detach().clone().to(torch.float64 if tensor.is_floating_point() else tensor.dtype)
-        self._collective(lambda: self.ring.all_reduce(t, "sum" if op == "mean" else op))
-        if op == "mean":
-            t = t / self.ring.size
-        return t.to(tensor.dtype) if tensor.is_floating_point() else t
-
-    def barrier(self, name: str | None = None) -> None:
-        if self._distributed():
-            self._collective(self.ring.barrier)
-
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        if not self._distributed():
-            return obj
-
-        def run() -> Any:
-            data = pickle.dumps(obj) if self.ring.rank == src else b""
-            size = torch.tensor([len(data)], dtype=torch.int64)
-            self.ring.broadcast(size, src)
-            n = int(size.item())
-            buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(n, dtype=torch.uint8)
-            self.ring.broadcast(buf, src)
-            return pickle.loads(buf.numpy().tobytes())
-
-        return self._collective(run)
-
-    def all_gather(self, tensor: torch.Tensor, group: Any = None, sync_grads: bool = False) -> torch.Tensor:
-        if not self._distributed():
-            return tensor.unsqueeze(0)
-
-        def run() -> torch.Tensor:
-            src = tensor.detach().contiguous()
-            out = torch.empty(self.ring.size * src.numel(), dtype=src.dtype)
-            self.ring.all_gather(out, src)
-            return out.view(self.ring.size, *src.shape)
-
-        return self._collective(run)
-
-    @contextmanager
-    def block_backward_sync(self):  # noqa: ANN201 - a context manager
-        if self._reducer is None:
-            yield None
-            return
-        with self._reducer.disarmed():
-            yield None
-
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
         if self._loader is not None and self._committer is not None:
@@ -690,3 +460,6 @@ class SpotnikStrategy(ParallelStrategy):
     def register_strategies(cls, strategy_registry: Any) -> None:
         strategy_registry.register("spotnik", cls, description="spotnik: training through revocations on a "
                                    "self-repairing ring")
+
+
+register_strategy()  # when this module was imported before Lightning, the import hook deferred to here

@@ -1,0 +1,127 @@
+"""Membership changes for :class:`~spotnik_lightning.lightning.strategy.SpotnikStrategy` (a mixin):
+recovering a discarded step through a resync, giving state to and taking it from peers, and the
+noticed leave (SIGTERM) on both sides.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from typing import Any
+
+import torch
+
+from spotnik_lightning.api import MembershipChanged, SpotnikError
+from spotnik_lightning.lightning import transfer
+from spotnik_lightning.lightning.commit import ReplicaDivergenceError, Resync, StepDiscarded
+
+log = logging.getLogger("spotnik.lightning")
+
+
+class MembershipHandling:
+    """Mixin: needs the strategy's ring, committer, loader, counters and Lightning attributes."""
+
+    ring: Any
+    counters: Any
+    lr_scaling: bool
+    optimizers: Any
+    lightning_module: Any
+    _committer: Any
+    _loader: Any
+    _reducer: Any
+    _manual: bool
+    _joiner: bool
+    _left: bool
+    _adopted: Any
+    _provisional: tuple[int, int]
+    _resync_needed: bool
+    world_size: int
+
+    def _recover(self, d: StepDiscarded) -> Resync:
+        if not isinstance(d.error, MembershipChanged):
+            raise d.error
+        self._note_change(d.error)
+        return self._resync(voted=d.voted, joiner=False, t0=time.monotonic())
+
+    def _note_change(self, exc: MembershipChanged) -> None:
+        self.counters.changes += 1
+        self._resync_needed = False
+        log.info("step %d discarded at %s: %s", self._committer.committed if self._committer else -1,
+                 self.ring.member_id if self.ring else "?", exc)
+
+    def _resync(self, *, voted: bool, joiner: bool, t0: float | None = None) -> Resync:
+        assert self._committer is not None and self.ring is not None
+        t0 = t0 or time.monotonic()
+        old_world = self._provisional[1] if joiner else self.world_size
+        res = self._committer.resync(voted=voted and not self._manual, joiner=joiner, capture=self._capture,
+                                     adopt=self._adopt, timeout_s=self.ring.timeouts.repair.total_seconds(),
+                                     behind_may_adopt=self._manual)
+        self._resync_needed = False
+        self.counters.last_recovery_ms = (time.monotonic() - t0) * 1e3
+        entry = {"member": self.ring.member_id, "epoch": res.epoch, "rank": self.ring.rank, "world": self.ring.size,
+                 "committed": self._committer.committed, "outcome": res.outcome, "donor": res.donor,
+                 "receivers": res.receivers, "bytes": res.nbytes, "resync_ms": round(res.ms, 2),
+                 "recovery_ms": round(self.counters.last_recovery_ms, 2)}
+        self.counters.resyncs.append(entry)
+        log.info("spotnik_resync %s", json.dumps(entry, sort_keys=True))
+        self._set_rank_zero()
+        if self.lr_scaling and not joiner and self.world_size != old_world:
+            for opt in self.optimizers:
+                for g in opt.param_groups:
+                    g["lr"] = g["lr"] * self.world_size / old_world
+        return res
+
+    def _capture(self) -> list[torch.Tensor]:
+        assert self._loader is not None and self._committer is not None
+        return transfer.capture(self.lightning_module.trainer, {
+            "committed": self._committer.committed,
+            "cursor": self._loader.cursor.state_dict(),
+        })
+
+    def _adopt(self, ckpt: dict[str, Any]) -> None:
+        if not self._joiner:
+            if not self._manual:
+                raise ReplicaDivergenceError("a member that was not joining was sent state: it fell behind further "
+                                             "than one step, which the commit vote rules out")
+            # manual optimization: a peer finished the training_step this member rolled back
+            transfer.apply_training_state(self.lightning_module.trainer, ckpt, loops=False)
+            return
+        transfer.apply_training_state(self.lightning_module.trainer, ckpt, loops=True)
+        self._adopted = ckpt["spotnik"]
+        self._joiner = False
+
+    def _on_membership_event(self, event: Any) -> None:
+        log.info("spotnik_membership %s", json.dumps({"kind": event.kind, "epoch": event.new_epoch,
+                                                      "members": list(event.members),
+                                                      "latency_ms": event.latency_ms}, sort_keys=True))
+
+    # ------------------------------------------------------------------ leaving
+    def _leave(self) -> None:
+        """Leave after the step this member voted to leave in; Lightning then exits (SIGTERMException)."""
+        assert self.ring is not None
+        log.info("%s leaves the ring after step %d", self.ring.member_id, self._committer.committed)
+        self._provisional = (self.ring.rank, 1)
+        if self._reducer is not None:
+            self._reducer.close()
+        self.ring.leave()
+        self._left = True
+        self.counters.leaves += 1
+        trainer = self.lightning_module.trainer
+        trainer._signal_connector.received_sigterm = True
+
+    def _await_departure(self, leaving: list[str]) -> None:
+        """Survivors: observe the leavers' departure in a barrier (they never enter it), so the
+        next step starts on the new membership and nothing is retried."""
+        assert self.ring is not None
+        deadline = time.monotonic() + self.ring.timeouts.repair.total_seconds()
+        while any(i in self.ring.membership for i in leaving):
+            if time.monotonic() > deadline:
+                raise SpotnikError(f"members {leaving} voted to leave but are still in epoch {self.ring.epoch}")
+            try:
+                self.ring.barrier()
+            except MembershipChanged as exc:
+                self.counters.changes += 1
+                self.counters.leaves += len(leaving)
+                log.info("%s saw %s leave: %s", self.ring.member_id, leaving, exc)
+        self._set_rank_zero()
