@@ -140,7 +140,10 @@ def bench_join(args: argparse.Namespace, url: str) -> dict:
            "members_stall_ms": round(_stalls(commits, [first])[0] * 1e3, 1),
            "state_bytes": max(r["bytes"] for r in resyncs),
            "donor_resync_ms": max(r["resync_ms"] for r in resyncs if r["outcome"] != "adopted"),
-           "joiner_resync_ms": max(r["resync_ms"] for r in resyncs if r["outcome"] == "adopted")}
+           "joiner_resync_ms": max(r["resync_ms"] for r in resyncs if r["outcome"] == "adopted"),
+           "phases_ms": {k: v for r in resyncs for k, v in r.items() if k.endswith("_ms") and k.split("_")[0] in (
+               "capture", "send", "wait", "receive", "apply")},
+           "joiner_first_commit_after_resync_ms": None}
     print(json.dumps(res), flush=True)
     return res
 

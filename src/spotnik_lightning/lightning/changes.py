@@ -62,7 +62,8 @@ class MembershipHandling:
         entry = {"member": self.ring.member_id, "epoch": res.epoch, "rank": self.ring.rank, "world": self.ring.size,
                  "committed": self._committer.committed, "outcome": res.outcome, "donor": res.donor,
                  "receivers": res.receivers, "bytes": res.nbytes, "resync_ms": round(res.ms, 2),
-                 "recovery_ms": round(self.counters.last_recovery_ms, 2)}
+                 "recovery_ms": round(self.counters.last_recovery_ms, 2),
+                 **{f"{k}_ms": v for k, v in res.phases.items()}}
         self.counters.resyncs.append(entry)
         log.info("spotnik_resync %s", json.dumps(entry, sort_keys=True))
         self._set_rank_zero()

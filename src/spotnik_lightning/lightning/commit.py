@@ -91,6 +91,7 @@ class Resync:
     nbytes: int
     ms: float
     epoch: int
+    phases: dict[str, float] = field(default_factory=dict)  # state transfer: milliseconds per phase
 
 
 class StepCommitter:
@@ -153,6 +154,7 @@ class StepCommitter:
             return r[0] == top - 1 and r[1] == 1 and r[3] == 0
 
         needy = [i for i, r in enumerate(rows) if r[0] < top and not commits_locally(r)]
+        phases: dict[str, float] = {}
         stray = [i for i in needy if rows[i][3] == 0 and not behind_may_adopt]
         if stray:  # the vote rules this out; every member sees the same rows, so all stop here
             raise ReplicaDivergenceError(f"members {stray} of epoch {ring.epoch} are behind by more than a step "
@@ -161,23 +163,36 @@ class StepCommitter:
         nbytes = 0
         if needy:
             donor = min((i for i, r in enumerate(rows) if r[0] == top), key=lambda i: (rows[i][2] == 0, i))
+            tick = time.monotonic()
+
+            def lap(name: str) -> None:
+                nonlocal tick
+                now = time.monotonic()
+                phases[name] = round((now - tick) * 1e3, 2)
+                tick = now
+
             if me == donor:
                 parts = capture()
+                lap("capture")
                 nbytes = sum(p.numel() * p.element_size() for p in parts)
                 for r in needy:
                     ring.send(torch.tensor([parts[0].numel()], dtype=torch.int64), r)
                     for p in parts:
                         ring.send(p, r)
+                lap("send")
             elif me in needy:
                 size = torch.zeros(1, dtype=torch.int64)
                 ring.recv(size, donor)
+                lap("wait")
                 skeleton = torch.empty(int(size.item()), dtype=torch.uint8)
                 ring.recv(skeleton, donor)
                 head, flats = packing.layout(skeleton)
                 for f in flats:
                     ring.recv(f, donor)
+                lap("receive")
                 nbytes = skeleton.numel() + sum(f.numel() * f.element_size() for f in flats)
                 adopt(packing.unpack(head, flats))
+                lap("apply")
                 self.committed = top
         if me in needy:
             outcome = "adopted"
@@ -185,4 +200,4 @@ class StepCommitter:
             outcome = "commit"
         else:
             outcome = "retry"
-        return Resync(outcome, donor, len(needy), nbytes, (time.monotonic() - t0) * 1e3, ring.epoch)
+        return Resync(outcome, donor, len(needy), nbytes, (time.monotonic() - t0) * 1e3, ring.epoch, phases)
