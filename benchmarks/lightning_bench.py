@@ -100,6 +100,14 @@ def bench_commit(args: argparse.Namespace, url: str) -> dict:
     return out
 
 
+def _period(commits: list[dict]) -> float:
+    """The median time between consecutive commits (latest member's commit time per step)."""
+    t: dict[int, float] = {}
+    for e in commits:
+        t[e["step"]] = max(t.get(e["step"], 0.0), e["t"])
+    return statistics.median(t[s] - t[s - 1] for s in sorted(t) if s - 1 in t)
+
+
 def _stalls(commits: list[dict], steps: list[int]) -> list[float]:
     """For each step s in ``steps``: the time from the commit of step s-1 to the commit of step s,
     minus the median step interval (latest member's commit time per step)."""
@@ -124,6 +132,7 @@ def bench_revocation(args: argparse.Namespace, url: str) -> dict:
     res = {"workers": n, "kills": faults, "fault_free_wall_s": statistics.median(e["wall_s"] for e in base.values()),
            "with_kills_wall_s": statistics.median(e["wall_s"] for e in hurt.values()),
            "stall_per_revocation_ms": [round(s * 1e3, 1) for s in stalls],
+           "normal_step_ms": round(_period(commits) * 1e3, 1),
            "resync_ms": sorted({r["resync_ms"] for e in hurt.values() for r in e["resyncs"]})}
     res["wall_lost_per_revocation_s"] = (res["with_kills_wall_s"] - res["fault_free_wall_s"]) / len(faults)
     print(json.dumps(res), flush=True)
@@ -138,12 +147,12 @@ def bench_join(args: argparse.Namespace, url: str) -> dict:
     resyncs = [r for e in ends.values() for r in e["resyncs"]]
     res = {"params_m": 25.56, "optimizer": "adam", "workers_before": args.workers,
            "members_stall_ms": round(_stalls(commits, [first])[0] * 1e3, 1),
+           "normal_step_ms": round(_period(commits) * 1e3, 1),
            "state_bytes": max(r["bytes"] for r in resyncs),
            "donor_resync_ms": max(r["resync_ms"] for r in resyncs if r["outcome"] != "adopted"),
            "joiner_resync_ms": max(r["resync_ms"] for r in resyncs if r["outcome"] == "adopted"),
            "phases_ms": {k: v for r in resyncs for k, v in r.items() if k.endswith("_ms") and k.split("_")[0] in (
-               "capture", "send", "wait", "receive", "apply")},
-           "joiner_first_commit_after_resync_ms": None}
+               "capture", "send", "wait", "receive", "apply")}}
     print(json.dumps(res), flush=True)
     return res
 

@@ -160,6 +160,28 @@ def test_accumulation_clipping_validation_and_metrics(embedded_server, tmp_path:
     assert "spotnik/retried_steps" in logged and "spotnik/recovery_ms" in logged and "val_acc" in logged
 
 
+def test_global_batch_policy_and_linear_lr_scaling(embedded_server) -> None:
+    with cluster(embedded_server.url, policy="global", global_batch=12) as c:
+        for i in range(4):
+            c.spawn(f"g{i}", world_size=4, env={"SPOTNIK_FAULT": "vote@3"} if i == 1 else {})
+        by_step = check_run(c, ["g0", "g2", "g3"])
+        assert {evs[0]["world"] for evs in by_step.values()} == {3, 4}
+        assert all(evs[0]["plans"][0][2] == 12 for evs in by_step.values()), "the global batch changed"
+    with cluster(embedded_server.url, lr_scaling=True, scheduler=False, lr=0.04) as c:
+        for i in range(4):
+            c.spawn(f"s{i}", world_size=4, env={"SPOTNIK_FAULT": "vote@3"} if i == 1 else {})
+        check_run(c, ["s0", "s2", "s3"])
+        assert {e["lr"] for e in c.of("done")} == {0.04 * 3 / 4}
+
+
+def test_a_kill_with_the_etcd_store(etcd_server) -> None:
+    with cluster(etcd_server.url) as c:
+        for i in range(4):
+            c.spawn(f"e{i}", world_size=4, env={"SPOTNIK_FAULT": "between_buckets@3"} if i == 2 else {})
+        by_step = check_run(c, ["e0", "e1", "e3"])
+        assert by_step[4][0]["world"] == 3 and {e["attempts"] for e in by_step[4]} == {2}
+
+
 def test_manual_optimization_with_two_optimizers_rolls_back_a_half_done_step(embedded_server) -> None:
     ids = [f"w{i}" for i in range(4)]
     with cluster(embedded_server.url, manual=True, epochs=1) as c:
@@ -227,6 +249,7 @@ def test_clear_errors_for_bad_use(embedded_server, tmp_path: Path) -> None:
 
     from spotnik_lightning.api import BackendConnectionError, ConfigError
     from spotnik_lightning.bench.lightning_worker import MLP, TeacherData
+    from spotnik_lightning.lightning.faults import parse as parse_faults
     from spotnik_lightning.lightning.strategy import SpotnikStrategy
 
     saved = {k: os.environ.pop(k) for k in list(os.environ) if k.startswith("SPOTNIK_") or k in (
@@ -245,7 +268,13 @@ def test_clear_errors_for_bad_use(embedded_server, tmp_path: Path) -> None:
             SpotnikStrategy(batch_policy="half")
 
         with pytest.raises(ConfigError, match="SPOTNIK_FAULT"):
-            SpotnikStrategy(embedded_server.url)._faults.__init__("vote@x")
+            parse_faults("vote@x")
+        from lightning.pytorch.accelerators import CUDAAccelerator
+
+        gpu = SpotnikStrategy(embedded_server.url, run_id="gpu", world_size=1)
+        gpu.accelerator = CUDAAccelerator()
+        with pytest.raises(ConfigError, match="CPU only"):
+            gpu.setup_environment()
 
         class Stream(IterableDataset):
             def __iter__(self):  # noqa: ANN204

@@ -228,7 +228,8 @@ def run(cfg: dict) -> int:
         tier=cfg.get("tier"), heartbeat_ms=cfg.get("hb_ms", 100), heartbeat_timeout_ms=cfg.get("hb_timeout_ms", 1000),
         batch_policy=cfg.get("policy", "per_worker"), global_batch=cfg.get("global_batch"),
         verify_replicas=bool(cfg.get("verify", True)), seed=int(cfg.get("seed", 0)),
-        bucket_mb=float(cfg.get("bucket_mb", 25.0)), atomic=bool(cfg.get("atomic", True)))
+        bucket_mb=float(cfg.get("bucket_mb", 25.0)), atomic=bool(cfg.get("atomic", True)),
+        lr_scaling=bool(cfg.get("lr_scaling", False)))
     started = time.time()
 
     def on_commit(info: CommitInfo) -> None:
@@ -264,6 +265,7 @@ def run(cfg: dict) -> int:
          hash=replica_hash(model, trainer.optimizers), changes=strategy.counters.changes,
          retried=strategy.counters.retried_steps, joins=strategy.counters.joins, leaves=strategy.counters.leaves,
          resyncs=strategy.counters.resyncs, wall_s=time.time() - started, step_times=timer.times, rss_mb=_rss_mb(),
+         lr=trainer.optimizers[0].param_groups[0]["lr"],
          metrics={k: float(v) for k, v in trainer.progress_bar_metrics.items() if k.startswith("spotnik/")},
          params=_dump(model, cfg))
     return 0

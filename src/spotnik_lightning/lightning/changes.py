@@ -36,6 +36,7 @@ class MembershipHandling:
     _adopted: Any
     _provisional: tuple[int, int]
     _resync_needed: bool
+    _world_seen: int
     world_size: int
 
     def _recover(self, d: StepDiscarded) -> Resync:
@@ -53,7 +54,6 @@ class MembershipHandling:
     def _resync(self, *, voted: bool, joiner: bool, t0: float | None = None) -> Resync:
         assert self._committer is not None and self.ring is not None
         t0 = t0 or time.monotonic()
-        old_world = self._provisional[1] if joiner else self.world_size
         res = self._committer.resync(voted=voted and not self._manual, joiner=joiner, capture=self._capture,
                                      adopt=self._adopt, timeout_s=self.ring.timeouts.repair.total_seconds(),
                                      behind_may_adopt=self._manual)
@@ -67,17 +67,25 @@ class MembershipHandling:
         self.counters.resyncs.append(entry)
         log.info("spotnik_resync %s", json.dumps(entry, sort_keys=True))
         self._set_rank_zero()
-        if self.lr_scaling and not joiner and self.world_size != old_world:
+        self._note_world()
+        return res
+
+    def _note_world(self) -> None:
+        """Called where all members agree on the membership: apply the linear LR scaling rule
+        (``lr_scaling``) for the change of world size since the last agreement."""
+        n = self.ring.size
+        if self.lr_scaling and self._world_seen and n != self._world_seen:
             for opt in self.optimizers:
                 for g in opt.param_groups:
-                    g["lr"] = g["lr"] * self.world_size / old_world
-        return res
+                    g["lr"] = g["lr"] * n / self._world_seen
+        self._world_seen = n
 
     def _capture(self) -> list[torch.Tensor]:
         assert self._loader is not None and self._committer is not None
         return transfer.capture(self.lightning_module.trainer, {
             "committed": self._committer.committed,
             "cursor": self._loader.cursor.state_dict(),
+            "world_seen": self._world_seen,
         })
 
     def _adopt(self, ckpt: dict[str, Any]) -> None:
@@ -90,6 +98,7 @@ class MembershipHandling:
             return
         transfer.apply_training_state(self.lightning_module.trainer, ckpt, loops=True)
         self._adopted = ckpt["spotnik"]
+        self._world_seen = int(ckpt["spotnik"]["world_seen"])  # the donor's learning rates are for its world
         self._joiner = False
 
     def _on_membership_event(self, event: Any) -> None:
@@ -126,3 +135,4 @@ class MembershipHandling:
                 self.counters.leaves += len(leaving)
                 log.info("%s saw %s leave: %s", self.ring.member_id, leaving, exc)
         self._set_rank_zero()
+        self._note_world()

@@ -122,6 +122,8 @@ class SpotnikStrategy(MembershipHandling, ManualSteps, RingCollectives, Parallel
         self._skip_batch = False
         self._user_batch_start: Any = None
         self._vote: Vote | None = None
+        self._world_seen = 0  # the world size the learning rates are scaled for (lr_scaling)
+        self._ckpt_world = 0
         self._attempts = 0
         self._rebuilt: Any = None
         self._prev_sigterm: Any = None
@@ -227,6 +229,7 @@ class SpotnikStrategy(MembershipHandling, ManualSteps, RingCollectives, Parallel
             self._quiet = True
         else:
             self._broadcast_initial_state()
+            self._world_seen = self.ring.size
         assert self.ring is not None and self.model is not None
         committed = lambda: self._committer.committed if self._committer else 0  # noqa: E731
         self._reducer = GradientReducer(
@@ -256,6 +259,9 @@ class SpotnikStrategy(MembershipHandling, ManualSteps, RingCollectives, Parallel
 
     def on_train_start(self) -> None:
         super().on_train_start()
+        if self._ckpt_world and self.ring is not None:  # resumed: the checkpoint's rates are for its world
+            self._world_seen, self._ckpt_world = self._ckpt_world, 0
+            self._note_world()
         self._prev_sigterm = signal.signal(signal.SIGTERM, self._on_sigterm)
 
     def _on_sigterm(self, signum: int, frame: Any) -> None:
@@ -415,7 +421,8 @@ class SpotnikStrategy(MembershipHandling, ManualSteps, RingCollectives, Parallel
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
         if self._loader is not None and self._committer is not None:
-            checkpoint["spotnik"] = {"cursor": self._loader.cursor.state_dict(), "committed": self._committer.committed}
+            checkpoint["spotnik"] = {"cursor": self._loader.cursor.state_dict(), "committed": self._committer.committed,
+                                     "world_seen": self._world_seen}
         if self.is_global_zero:
             self.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
@@ -427,6 +434,7 @@ class SpotnikStrategy(MembershipHandling, ManualSteps, RingCollectives, Parallel
             self._adopted = {"cursor": state["cursor"]}
             if self._committer is not None:
                 self._committer.committed = int(state["committed"])
+            self._ckpt_world = int(state.get("world_seen", 0))
         return ckpt
 
     def remove_checkpoint(self, filepath: Any) -> None:
