@@ -9,6 +9,7 @@ and trained on by exactly one member, survivors' PIDs unchanged, the run finishi
 from __future__ import annotations
 
 import os
+import random
 import signal
 import time
 import uuid
@@ -106,7 +107,7 @@ def test_kill_at_a_chosen_point_of_a_step(embedded_server, point: str, workers: 
 
 def test_random_kills_and_a_stopped_member(embedded_server) -> None:
     ids = [f"w{i}" for i in range(6)]
-    rng = __import__("random").Random(7)
+    rng = random.Random(7)
     with cluster(embedded_server.url, pace_s=0.03, epochs=2) as c:
         for mid in ids:
             c.spawn(mid, world_size=6)
@@ -142,6 +143,21 @@ def test_sigterm_leave_loses_nothing_and_a_joiner_catches_up(embedded_server) ->
         assert [e["outcome"] for e in ends["j0"]["resyncs"]][:1] == ["adopted"]
         assert any(len(evs) == 4 and "j0" in evs[0]["members"] for evs in by_step.values())
         assert ends["w0"]["joins"] == 1 and ends["w0"]["leaves"] == 1
+
+
+def test_the_donor_dies_while_sending_state_to_a_joiner(embedded_server) -> None:
+    ids = [f"w{i}" for i in range(3)]
+    with cluster(embedded_server.url, pace_s=0.03, epochs=2) as c:
+        for mid in ids:  # w0 is the reliable-tier member: the preferred donor, and it dies while sending
+            extra = dict(tier="reliable", env={"SPOTNIK_FAULT": "state_send@*"}) if mid == "w0" else {}
+            c.spawn(mid, world_size=3, **extra)
+        c.wait_for(lambda e: e["ev"] == "commit" and e["step"] == 3, 60, "step 3")
+        c.spawn("j0")
+        c.wait_for(lambda e: e.get("pid") == c.pids["w0"] and e["ev"] == "exit", 60, "the donor's death")
+        by_step = check_run(c, ["w1", "w2", "j0"], epochs=2)
+        ends = {e["id"]: e for e in c.of("done")}
+        assert [r["outcome"] for r in ends["j0"]["resyncs"]][-1] == "adopted"
+        assert any(evs[0]["world"] == 3 and "j0" in evs[0]["members"] for evs in by_step.values())
 
 
 def test_accumulation_clipping_validation_and_metrics(embedded_server, tmp_path: Path) -> None:

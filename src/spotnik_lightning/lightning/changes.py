@@ -37,6 +37,7 @@ class MembershipHandling:
     _provisional: tuple[int, int]
     _resync_needed: bool
     _world_seen: int
+    _faults: Any
     world_size: int
 
     def _recover(self, d: StepDiscarded) -> Resync:
@@ -56,7 +57,8 @@ class MembershipHandling:
         t0 = t0 or time.monotonic()
         res = self._committer.resync(voted=voted and not self._manual, joiner=joiner, capture=self._capture,
                                      adopt=self._adopt, timeout_s=self.ring.timeouts.repair.total_seconds(),
-                                     behind_may_adopt=self._manual)
+                                     behind_may_adopt=self._manual,
+                                     before_send=lambda: self._faults.at("state_send", self._committer.committed))
         self._resync_needed = False
         self.counters.last_recovery_ms = (time.monotonic() - t0) * 1e3
         entry = {"member": self.ring.member_id, "epoch": res.epoch, "rank": self.ring.rank, "world": self.ring.size,

@@ -118,18 +118,20 @@ class StepCommitter:
         return Vote(n, [ids[r] for r in range(n) if rows[r, 2]], int(rows[:, 3].sum()))
 
     def resync(self, *, voted: bool, joiner: bool, capture: Callable[[], list[torch.Tensor]],
-               adopt: Callable[[Any], None], timeout_s: float, behind_may_adopt: bool = False) -> Resync:
+               adopt: Callable[[Any], None], timeout_s: float, behind_may_adopt: bool = False,
+               before_send: Callable[[], None] | None = None) -> Resync:
         """Agree on committed state after a membership change (see the module doc). ``voted``:
         this member voted in the step it is discarding; ``joiner``: it has no state yet.
         ``capture()`` (donor) packs the state (:func:`packing.pack`), ``adopt(state)`` (receiver)
         loads the unpacked state.
+        ``before_send`` (tests) runs on the donor between capture and send.
         ``behind_may_adopt``: members behind receive state too (manual optimization, where a
         discarded step was rolled back and cannot be applied locally); otherwise only joiners do.
         Blocks until done; raises MembershipTimeoutError after ``timeout_s`` of repeated changes."""
         t0 = time.monotonic()
         while True:
             try:
-                return self._resync_once(voted, joiner, capture, adopt, t0, behind_may_adopt)
+                return self._resync_once(voted, joiner, capture, adopt, t0, behind_may_adopt, before_send)
             except MembershipChanged as exc:
                 if time.monotonic() - t0 > timeout_s:
                     raise MembershipTimeoutError(
@@ -138,7 +140,8 @@ class StepCommitter:
                 log.info("membership changed again during resync at %s: %s", self.ring.member_id, exc)
 
     def _resync_once(self, voted: bool, joiner: bool, capture: Callable[[], list[torch.Tensor]],
-                     adopt: Callable[[Any], None], t0: float, behind_may_adopt: bool) -> Resync:
+                     adopt: Callable[[Any], None], t0: float, behind_may_adopt: bool,
+                     before_send: Callable[[], None] | None) -> Resync:
         ring = self.ring
         n, me = ring.size, ring.rank
         reliable = int(ring.me.tier == "reliable")
@@ -174,6 +177,8 @@ class StepCommitter:
             if me == donor:
                 parts = capture()
                 lap("capture")
+                if before_send is not None:
+                    before_send()
                 nbytes = sum(p.numel() * p.element_size() for p in parts)
                 for r in needy:
                     ring.send(torch.tensor([parts[0].numel()], dtype=torch.int64), r)

@@ -7,7 +7,10 @@
 * ``backward`` — in the middle of backward, when the first gradient bucket is handed to the ring;
 * ``between_buckets`` — after the first bucket was all-reduced, before the second one starts;
 * ``vote`` — just before the commit vote (the others are in the vote, waiting for this member);
-* ``after_commit`` — right after the optimizer applied the step, before anything else.
+* ``after_commit`` — right after the optimizer applied the step, before anything else;
+* ``state_send`` — a donor, between packing its state and sending it to a joiner.
+
+``<step>`` may be ``*`` (any step).
 
 Unset (the normal case), every call is a dictionary lookup.
 """
@@ -19,7 +22,8 @@ import signal
 
 from spotnik_lightning.api import ConfigError
 
-POINTS = ("backward", "between_buckets", "vote", "after_commit")
+POINTS = ("backward", "between_buckets", "vote", "after_commit", "state_send")
+ANY = -1
 
 
 def parse(spec: str | None) -> dict[tuple[str, int], int]:
@@ -31,9 +35,9 @@ def parse(spec: str | None) -> dict[tuple[str, int], int]:
             continue
         point, sep, rest = part.partition("@")
         step, _, nth = rest.partition("#")
-        if not sep or point not in POINTS or not step.isdigit() or not (nth or "1").isdigit():
+        if not sep or point not in POINTS or not (step.isdigit() or step == "*") or not (nth or "1").isdigit():
             raise ConfigError(f"SPOTNIK_FAULT: expected <point>@<step>[#<k>] with point in {POINTS}, got {part!r}")
-        out[(point, int(step))] = int(nth or 1)
+        out[(point, ANY if step == "*" else int(step))] = int(nth or 1)
     return out
 
 
@@ -45,7 +49,7 @@ class Faults:
         self._seen: dict[tuple[str, int], int] = {}
 
     def at(self, point: str, committed: int) -> None:
-        key = (point, committed)
+        key = (point, committed) if (point, committed) in self.points else (point, ANY)
         if key in self.points:
             self._seen[key] = self._seen.get(key, 0) + 1
             if self._seen[key] == self.points[key]:
