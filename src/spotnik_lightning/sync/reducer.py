@@ -123,10 +123,11 @@ class GradientReducer:
             return
         bi, slot = self._where[id(p)]
         b = self.buckets[bi]
-        if p.grad is not None:
-            b.view(slot).copy_(p.grad)
-        else:
-            b.view(slot).zero_()
+        view = b.view(slot)
+        if p.grad is None:
+            view.zero_()
+        elif p.grad.data_ptr() != view.data_ptr():  # else autograd accumulated into the view itself
+            view.copy_(p.grad)
         with self._lock:
             b.ready.add(slot)
             self._launch_ready_locked()
@@ -148,10 +149,11 @@ class GradientReducer:
             for b in self.buckets[self._next:]:
                 for slot, p in enumerate(b.params):
                     if slot not in b.ready:
+                        view = b.view(slot)
                         if p.grad is None:
-                            b.view(slot).zero_()
-                        else:
-                            b.view(slot).copy_(p.grad)
+                            view.zero_()
+                        elif p.grad.data_ptr() != view.data_ptr():
+                            view.copy_(p.grad)
                         b.ready.add(slot)
             self._launch_ready_locked()
             launched = self._next
@@ -162,10 +164,13 @@ class GradientReducer:
             return self._error
         for b in self.buckets:
             for slot, p in enumerate(b.params):
-                if p.grad is not None:
-                    p.grad.copy_(b.view(slot))
-                elif bool(b.view(slot).any()):  # unused here, used elsewhere; None everywhere stays None
-                    p.grad = b.view(slot).clone()
+                # Hand the reduced bucket memory to .grad instead of copying it back (one memcpy of
+                # all gradients less per step). The view stays valid until the next step's hooks
+                # write the bucket, by which time Lightning has reset .grad (or, with
+                # zero_grad(set_to_none=False), autograd accumulated into the view itself).
+                v = b.view(slot)
+                if p.grad is not None or bool(v.any()):  # unused here and everywhere: stays None
+                    p.grad = v
         return None
 
     # ------------------------------------------------------------------ communication thread
