@@ -247,7 +247,9 @@ class SpotnikStrategy(MembershipHandling, ManualSteps, RingCollectives, Parallel
 
     def process_dataloader(self, dataloader: object) -> object:
         """Replace the training DataLoader with an :class:`ElasticLoader` (other stages unchanged)."""
-        stage = sys._getframe(1).f_locals.get("stage")
+        # Lightning passes the stage to _process_dataloader, not to us; read it from the caller,
+        # falling back to the trainer's current stage.
+        stage = sys._getframe(1).f_locals.get("stage") or self.lightning_module.trainer.state.stage
         if stage != RunningStage.TRAINING or not isinstance(dataloader, DataLoader) or self.ring is None:
             return dataloader
         self._loader = ElasticLoader.wrap(dataloader, self._view, seed=self.seed, policy=self.batch_policy,
