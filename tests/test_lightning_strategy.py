@@ -145,6 +145,18 @@ def test_sigterm_leave_loses_nothing_and_a_joiner_catches_up(embedded_server) ->
         assert ends["w0"]["joins"] == 1 and ends["w0"]["leaves"] == 1
 
 
+def test_a_kill_inside_lightnings_own_collectives(embedded_server, tmp_path: Path) -> None:
+    # ModelCheckpoint every 4 steps broadcasts its path and passes barriers: v1 dies entering the
+    # first of those after step 8; the others are inside it, retry it on 2 members and go on.
+    with cluster(embedded_server.url, validate=True, epochs=2, ckpt_dir=str(tmp_path), every_n_steps=4) as c:
+        for i in range(3):
+            c.spawn(f"v{i}", world_size=3, env={"SPOTNIK_FAULT": "collective@8"} if i == 1 else {})
+        by_step = check_run(c, ["v0", "v2"], epochs=2)
+        assert c.exited.get(c.pids["v1"]) == -signal.SIGKILL
+        assert by_step[8][0]["world"] == 3 and by_step[9][0]["world"] == 2
+    assert (tmp_path / "step=12.ckpt").exists()
+
+
 def test_the_donor_dies_while_sending_state_to_a_joiner(embedded_server) -> None:
     ids = [f"w{i}" for i in range(3)]
     with cluster(embedded_server.url, pace_s=0.03, epochs=2) as c:

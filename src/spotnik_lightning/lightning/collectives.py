@@ -26,10 +26,13 @@ class RingCollectives:
     _quiet: bool
     _reducer: Any
     _resync_needed: bool
+    _faults: Any
+    _committer: Any
 
     def _collective(self, fn: Callable[[], Any]) -> Any:
         """Run a ring collective; after a membership change, retry it on the new membership and
         resync at the next step boundary."""
+        self._faults.at("collective", self._committer.committed if self._committer else 0)
         for _ in range(8):
             try:
                 return fn()

@@ -8,7 +8,9 @@
 * ``between_buckets`` — after the first bucket was all-reduced, before the second one starts;
 * ``vote`` — just before the commit vote (the others are in the vote, waiting for this member);
 * ``after_commit`` — right after the optimizer applied the step, before anything else;
-* ``state_send`` — a donor, between packing its state and sending it to a joiner.
+* ``state_send`` — a donor, between packing its state and sending it to a joiner;
+* ``collective`` — entering one of Lightning's collectives (validation ``sync_dist``, checkpoint
+  barriers, broadcasts).
 
 ``<step>`` may be ``*`` (any step).
 
@@ -22,7 +24,7 @@ import signal
 
 from spotnik_lightning.api import ConfigError
 
-POINTS = ("backward", "between_buckets", "vote", "after_commit", "state_send")
+POINTS = ("backward", "between_buckets", "vote", "after_commit", "state_send", "collective")
 ANY = -1
 
 
