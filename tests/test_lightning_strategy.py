@@ -157,6 +157,21 @@ def test_a_kill_inside_lightnings_own_collectives(embedded_server, tmp_path: Pat
     assert (tmp_path / "step=12.ckpt").exists()
 
 
+def test_young_daly_checkpoint_interval_is_agreed_and_applied(embedded_server, tmp_path: Path) -> None:
+    from spotnik_lightning.lightning.checkpointing import young_daly_steps
+
+    assert young_daly_steps(cost_s=2.0, mttf_s=3600.0, step_s=0.5) == 240  # sqrt(2 * 2 * 3600) / 0.5
+    assert young_daly_steps(cost_s=2.0, mttf_s=3600.0, step_s=0.5, hi=100) == 100
+    # initially every 4 steps; from step 8 on the agreed interval (clamped to 3 here) applies
+    yd = dict(initial_every=4, update_every=8, min_every=3, max_every=3)
+    with cluster(embedded_server.url, ckpt_dir=str(tmp_path), young_daly=yd) as c:
+        for i in range(3):
+            c.spawn(f"y{i}", world_size=3)
+        check_run(c, ["y0", "y1", "y2"])
+    saved = sorted(int(p.stem.split("=")[1]) for p in tmp_path.glob("step=*.ckpt"))
+    assert saved[:4] == [4, 9, 12, 15], saved  # 8 is not a multiple of the new interval
+
+
 def test_the_donor_dies_while_sending_state_to_a_joiner(embedded_server) -> None:
     ids = [f"w{i}" for i in range(3)]
     with cluster(embedded_server.url, pace_s=0.03, epochs=2) as c:

@@ -241,7 +241,12 @@ def run(cfg: dict) -> int:
         strategy.commit_listeners.append(on_commit)
     timer = StepTimer()
     callbacks: list[pl.Callback] = [timer]
-    if cfg.get("ckpt_dir"):
+    if cfg.get("young_daly"):
+        from spotnik_lightning.lightning.checkpointing import YoungDalyCheckpoint
+
+        callbacks.append(YoungDalyCheckpoint(dirpath=cfg["ckpt_dir"], filename="{step}", save_top_k=-1,
+                                             **cfg["young_daly"]))
+    elif cfg.get("ckpt_dir"):
         callbacks.append(pl.callbacks.ModelCheckpoint(dirpath=cfg["ckpt_dir"], every_n_train_steps=int(
             cfg.get("every_n_steps", 5)), save_top_k=-1, filename="{step}"))
     trainer = pl.Trainer(
