@@ -157,6 +157,19 @@ def test_a_kill_inside_lightnings_own_collectives(embedded_server, tmp_path: Pat
     assert (tmp_path / "step=12.ckpt").exists()
 
 
+@pytest.mark.parametrize("nth", [1, 2])
+def test_a_kill_right_after_a_lightning_collective_completed(embedded_server, tmp_path: Path, nth: int) -> None:
+    # ModelCheckpoint's save at step 8 runs two collectives here; v1 dies right after its nth one
+    # completed, so the others meet the change in that one or in the next, in Lightning's code or
+    # in the next training step — and must still agree on everything after.
+    with cluster(embedded_server.url, epochs=2, ckpt_dir=str(tmp_path), every_n_steps=8) as c:
+        for i in range(4):
+            c.spawn(f"v{i}", world_size=4, env={"SPOTNIK_FAULT": f"collective_done@8#{nth}"} if i == 1 else {})
+        check_run(c, ["v0", "v2", "v3"], epochs=2)
+        assert c.exited.get(c.pids["v1"]) == -signal.SIGKILL
+    assert (tmp_path / "step=16.ckpt").exists()
+
+
 def test_young_daly_checkpoint_interval_is_agreed_and_applied(embedded_server, tmp_path: Path) -> None:
     from spotnik_lightning.lightning.checkpointing import young_daly_steps
 

@@ -32,10 +32,13 @@ class RingCollectives:
     def _collective(self, fn: Callable[[], Any]) -> Any:
         """Run a ring collective; after a membership change, retry it on the new membership and
         resync at the next step boundary."""
-        self._faults.at("collective", self._committer.committed if self._committer else 0)
+        committed = self._committer.committed if self._committer else 0
+        self._faults.at("collective", committed)
         for _ in range(8):
             try:
-                return fn()
+                out = fn()
+                self._faults.at("collective_done", committed)
+                return out
             except MembershipChanged as exc:
                 self._note_change(exc)
                 self._resync_needed = True

@@ -9,8 +9,9 @@
 * ``vote`` — just before the commit vote (the others are in the vote, waiting for this member);
 * ``after_commit`` — right after the optimizer applied the step, before anything else;
 * ``state_send`` — a donor, between packing its state and sending it to a joiner;
-* ``collective`` — entering one of Lightning's collectives (validation ``sync_dist``, checkpoint
-  barriers, broadcasts).
+* ``collective`` / ``collective_done`` — entering / right after completing one of Lightning's
+  collectives (checkpoint broadcasts and barriers); after completing, the last pieces this member
+  forwards may not have left yet, so some peers complete that collective and others do not.
 
 ``<step>`` may be ``*`` (any step).
 
@@ -24,7 +25,7 @@ import signal
 
 from spotnik_lightning.api import ConfigError
 
-POINTS = ("backward", "between_buckets", "vote", "after_commit", "state_send", "collective")
+POINTS = ("backward", "between_buckets", "vote", "after_commit", "state_send", "collective", "collective_done")
 ANY = -1
 
 
