@@ -2,7 +2,8 @@
 
 Per training step (automatic optimization):
 
-1. the batch is this member's slice of a fixed :class:`StepPlan` of the elastic cursor;
+1. the batch is this member's slice of the step's :class:`StepPlan`, agreed at the step start
+   (:class:`ElasticLoader`);
 2. backward all-reduces gradient buckets on the ring as they fill (:class:`GradientReducer`);
 3. the members vote (:class:`StepCommitter`); only then does the optimizer apply the step, so a
    step is applied by every member or by none;
@@ -13,6 +14,10 @@ Per training step (automatic optimization):
 Joiners are admitted at the start of a step and get the full state from a donor; ``SIGTERM`` makes a
 member finish the current step, leave in the vote and exit 0 without anyone retrying anything.
 Nothing here opens a socket: all communication goes through the member's :class:`RingGroup`.
+
+The class is split over mixins, each small enough to read alone: :mod:`.changes` (resync, state
+transfer, leaving), :mod:`.manual` (manual optimization), :mod:`.collectives` (Lightning's
+collectives on the ring); the commit protocol itself is :mod:`.commit`.
 """
 
 from __future__ import annotations
