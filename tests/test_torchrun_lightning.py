@@ -65,3 +65,13 @@ def test_lightning_script_under_spotnik_torchrun_with_a_join(tmp_path: Path) -> 
     assert worlds[0] == 2 and worlds[-1] == 3
     # one ring: the members every node saw on its last commit are the same three workers
     assert len({tuple(sorted(n.of("commit")[-1]["members"])) for n in nodes}) == 1
+
+
+def test_lightning_script_under_stock_torchrun_uses_its_store() -> None:
+    # no SPOTNIK_* settings: the ring keeps its membership in torchrun's own TCPStore
+    env = {k: v for k, v in agent_env("x").items() if not k.startswith("SPOTNIK_")}
+    out = subprocess.run([TORCHRUN, "--standalone", "--nproc-per-node=2", SCRIPT, "--epochs", "1", "--n-data", "64",
+                          "--pace", "0"], env=env, capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stderr[-3000:]
+    finals = [json.loads(x) for x in out.stdout.splitlines() if '"final"' in x]
+    assert len(finals) == 2 and len({f["hash"] for f in finals}) == 1 and {f["step"] for f in finals} == {8}
