@@ -35,8 +35,8 @@ def main() -> int:
     trainer = pl.Trainer(strategy="spotnik", accelerator="cpu", max_epochs=args.epochs, logger=False,
                          enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
 
-    def out(**kw: object) -> None:
-        print(json.dumps({"pid": os.getpid(), **kw}), flush=True)
+    def out(**kw: object) -> None:  # one write per line: lines of the workers never interleave
+        os.write(1, (json.dumps({"pid": os.getpid(), **kw}) + "\n").encode())
 
     trainer.strategy.commit_listeners.append(
         lambda i: out(ev="commit", step=i.step, world=i.world, members=i.members, plans=i.plans))
