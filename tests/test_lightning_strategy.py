@@ -170,6 +170,15 @@ def test_a_kill_right_after_a_lightning_collective_completed(embedded_server, tm
     assert (tmp_path / "step=16.ckpt").exists()
 
 
+def test_verify_replicas_fails_loudly_on_divergence(embedded_server) -> None:
+    with cluster(embedded_server.url) as c:
+        for i in range(3):  # d1's parameters drift after step 3: every member must stop at step 4
+            c.spawn(f"d{i}", world_size=3, **({"perturb_at": 3} if i == 1 else {}))
+        ends = finished(c, ["d0", "d1", "d2"])
+    assert {e["ev"] for e in ends.values()} == {"error"}
+    assert all("ReplicaDivergenceError" in e["error"] and "after step 4" in e["error"] for e in ends.values())
+
+
 def test_young_daly_checkpoint_interval_is_agreed_and_applied(embedded_server, tmp_path: Path) -> None:
     from spotnik_lightning.lightning.checkpointing import young_daly_steps
 

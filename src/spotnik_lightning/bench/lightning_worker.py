@@ -232,7 +232,12 @@ def run(cfg: dict) -> int:
         lr_scaling=bool(cfg.get("lr_scaling", False)))
     started = time.time()
 
+    perturb = cfg.get("perturb_at")  # test hook: this member's parameters drift after that step
+
     def on_commit(info: CommitInfo) -> None:
+        if perturb is not None and info.step == perturb:
+            with torch.no_grad():
+                next(model.parameters()).add_(1e-3)
         emit(ev="commit", id=cfg["id"], step=info.step, epoch=info.epoch, rank=info.rank, world=info.world,
              members=info.members, plans=info.plans, indices=info.indices, seen=model.last_indices,
              attempts=info.attempts, hash=info.replica_hash)
