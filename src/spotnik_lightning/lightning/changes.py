@@ -35,7 +35,8 @@ class MembershipHandling:
     _left: bool
     _adopted: Any
     _provisional: tuple[int, int]
-    _resync_needed: bool
+    _coll_done: int
+    _coll_last: Any
     _world_seen: int
     _faults: Any
     world_size: int
@@ -48,7 +49,6 @@ class MembershipHandling:
 
     def _note_change(self, exc: MembershipChanged) -> None:
         self.counters.changes += 1
-        self._resync_needed = False
         log.info("step %d discarded at %s: %s", self._committer.committed if self._committer else -1,
                  self.ring.member_id if self.ring else "?", exc)
 
@@ -58,8 +58,8 @@ class MembershipHandling:
         res = self._committer.resync(voted=voted and not self._manual, joiner=joiner, capture=self._capture,
                                      adopt=self._adopt, timeout_s=self.ring.timeouts.repair.total_seconds(),
                                      behind_may_adopt=self._manual,
-                                     before_send=lambda: self._faults.at("state_send", self._committer.committed))
-        self._resync_needed = False
+                                     before_send=lambda: self._faults.at("state_send", self._committer.committed),
+                                     coll_done=self._coll_done, coll_last=lambda: self._coll_last)
         self.counters.last_recovery_ms = (time.monotonic() - t0) * 1e3
         entry = {"member": self.ring.member_id, "epoch": res.epoch, "rank": self.ring.rank, "world": self.ring.size,
                  "committed": self._committer.committed, "outcome": res.outcome, "donor": res.donor,
@@ -88,6 +88,7 @@ class MembershipHandling:
             "committed": self._committer.committed,
             "cursor": self._loader.cursor.state_dict(),
             "world_seen": self._world_seen,
+            "coll_done": self._coll_done,
         })
 
     def _adopt(self, ckpt: dict[str, Any]) -> None:
@@ -101,6 +102,7 @@ class MembershipHandling:
         transfer.apply_training_state(self.lightning_module.trainer, ckpt, loops=True)
         self._adopted = ckpt["spotnik"]
         self._world_seen = int(ckpt["spotnik"]["world_seen"])  # the donor's learning rates are for its world
+        self._coll_done = int(ckpt["spotnik"]["coll_done"])  # its Lightning collectives count from here on
         self._joiner = False
 
     def _on_membership_event(self, event: Any) -> None:

@@ -6,7 +6,10 @@ step only after its vote completed, so an applied step implies that every member
 had its fully reduced gradients. If the ring changes during the step, the member discards the step
 and calls :meth:`StepCommitter.resync` — its first collective on the new membership, since the ring
 reports each change to each member exactly once. Resync all-gathers ``(committed, voted, reliable,
-joiner)``; then
+joiner, collectives done)``; then
+
+* if some members completed one more of Lightning's own collectives (outside steps) than others,
+  the result is served to those that had not (:meth:`StepCommitter._serve`);
 
 * a member exactly one step behind that had voted applies its pending step locally (the vote
   completed somewhere, so its gradients are the step's reduced gradients: the result is
@@ -92,6 +95,7 @@ class Resync:
     ms: float
     epoch: int
     phases: dict[str, float] = field(default_factory=dict)  # state transfer: milliseconds per phase
+    served: torch.Tensor | None = None  # the interrupted Lightning collective's result, from a peer
 
 
 class StepCommitter:
@@ -119,19 +123,23 @@ class StepCommitter:
 
     def resync(self, *, voted: bool, joiner: bool, capture: Callable[[], list[torch.Tensor]],
                adopt: Callable[[Any], None], timeout_s: float, behind_may_adopt: bool = False,
-               before_send: Callable[[], None] | None = None) -> Resync:
+               before_send: Callable[[], None] | None = None, coll_done: int = 0,
+               coll_last: Callable[[], torch.Tensor] | None = None) -> Resync:
         """Agree on committed state after a membership change (see the module doc). ``voted``:
         this member voted in the step it is discarding; ``joiner``: it has no state yet.
         ``capture()`` (donor) packs the state (:func:`packing.pack`), ``adopt(state)`` (receiver)
         loads the unpacked state.
-        ``before_send`` (tests) runs on the donor between capture and send.
+        ``before_send`` (tests) runs on the donor between capture and send. ``coll_done`` counts
+        the member's completed collectives outside steps (Lightning's); a member one behind gets
+        the last one's result (``coll_last()`` of a member that completed it) in ``served``.
         ``behind_may_adopt``: members behind receive state too (manual optimization, where a
         discarded step was rolled back and cannot be applied locally); otherwise only joiners do.
         Blocks until done; raises MembershipTimeoutError after ``timeout_s`` of repeated changes."""
         t0 = time.monotonic()
         while True:
             try:
-                return self._resync_once(voted, joiner, capture, adopt, t0, behind_may_adopt, before_send)
+                return self._resync_once(voted, joiner, capture, adopt, t0, behind_may_adopt, before_send,
+                                         coll_done, coll_last)
             except MembershipChanged as exc:
                 if time.monotonic() - t0 > timeout_s:
                     raise MembershipTimeoutError(
@@ -141,14 +149,17 @@ class StepCommitter:
 
     def _resync_once(self, voted: bool, joiner: bool, capture: Callable[[], list[torch.Tensor]],
                      adopt: Callable[[Any], None], t0: float, behind_may_adopt: bool,
-                     before_send: Callable[[], None] | None) -> Resync:
+                     before_send: Callable[[], None] | None, coll_done: int,
+                     coll_last: Callable[[], torch.Tensor] | None) -> Resync:
         ring = self.ring
         n, me = ring.size, ring.rank
         reliable = int(ring.me.tier == "reliable")
-        info = torch.tensor([-1 if joiner else self.committed, int(voted), reliable, int(joiner)], dtype=torch.int64)
-        out = torch.empty(n * 4, dtype=torch.int64)
+        info = torch.tensor([-1 if joiner else self.committed, int(voted), reliable, int(joiner),
+                             -1 if joiner else coll_done], dtype=torch.int64)
+        out = torch.empty(n * 5, dtype=torch.int64)
         ring.all_gather(out, info)
-        rows = out.view(n, 4).tolist()
+        rows = out.view(n, 5).tolist()
+        served = self._serve(rows, coll_last)
         top = max(r[0] for r in rows)
         if top < 0:
             raise ReplicaDivergenceError(f"no member of epoch {ring.epoch} holds any state (all joiners)")
@@ -205,4 +216,23 @@ class StepCommitter:
             outcome = "commit"
         else:
             outcome = "retry"
-        return Resync(outcome, donor, len(needy), nbytes, (time.monotonic() - t0) * 1e3, ring.epoch, phases)
+        return Resync(outcome, donor, len(needy), nbytes, (time.monotonic() - t0) * 1e3, ring.epoch, phases, served)
+
+    def _serve(self, rows: list[list[int]], coll_last: Callable[[], torch.Tensor] | None) -> torch.Tensor | None:
+        """If some members completed one more collective outside steps than others (a change hit
+        its last hop), the lowest such member broadcasts that collective's result; returns it to
+        the members that had not completed it (None to everyone else)."""
+        ring, me = self.ring, self.ring.rank
+        counts = [r[4] for r in rows if r[3] == 0]
+        if not counts or max(counts) == min(counts):
+            return None
+        if max(counts) - min(counts) > 1:
+            raise ReplicaDivergenceError(f"collective counts differ by more than one at epoch {ring.epoch}: {rows}")
+        src = min(i for i, r in enumerate(rows) if r[3] == 0 and r[4] == max(counts))
+        blob = coll_last() if me == src and coll_last is not None else torch.empty(0, dtype=torch.uint8)
+        size = torch.tensor([blob.numel()], dtype=torch.int64)
+        ring.broadcast(size, src)
+        buf = blob if me == src else torch.empty(int(size.item()), dtype=torch.uint8)
+        if buf.numel():
+            ring.broadcast(buf, src)
+        return buf if rows[me][3] == 0 and rows[me][4] == min(counts) else None

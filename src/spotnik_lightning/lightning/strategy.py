@@ -118,7 +118,8 @@ class SpotnikStrategy(MembershipHandling, ManualSteps, RingCollectives, Parallel
         self._reducer: GradientReducer | None = None
         self._loader: ElasticLoader | None = None
         self._adopted: dict | None = None
-        self._resync_needed = False
+        self._coll_done = 0  # Lightning-level collectives completed (see collectives.py)
+        self._coll_last = torch.empty(0, dtype=torch.uint8)
         self._admit_next = False
         self._leave_requested = False
         self._left = False
@@ -248,7 +249,8 @@ class SpotnikStrategy(MembershipHandling, ManualSteps, RingCollectives, Parallel
         with torch.no_grad():
             for t in self.model.state_dict().values():
                 if isinstance(t, torch.Tensor) and t.numel():
-                    self._collective(lambda t=t: self.ring.broadcast(t, 0))
+                    self._collective(lambda t=t: self.ring.broadcast(t, 0), lambda _, t=t: t.reshape(-1).view(
+                        torch.uint8).clone(), lambda b, t=t: t.copy_(b.view(t.dtype).view(t.shape)))
 
     def process_dataloader(self, dataloader: object) -> object:
         """Replace the training DataLoader with an :class:`ElasticLoader` (other stages unchanged)."""
@@ -282,8 +284,6 @@ class SpotnikStrategy(MembershipHandling, ManualSteps, RingCollectives, Parallel
             return super().batch_to_device(batch, device, dataloader_idx)
         self._quiet = False
         if not self._loader.step:  # first micro-batch of a step: the step boundary
-            if self._resync_needed:
-                self._resync(voted=False, joiner=False)
             if self._admit_next:
                 self._admit()
         fresh, status = self._loader.take(batch)
@@ -337,7 +337,7 @@ class SpotnikStrategy(MembershipHandling, ManualSteps, RingCollectives, Parallel
                 if res.outcome == "commit":
                     out = self.precision_plugin.optimizer_step(optimizer, model=model, closure=lambda d=d: d.loss,
                                                                **kwargs)
-                    self._after_commit(Vote(self.world_size))
+                    self._after_commit(Vote(self.world_size), verify=False)  # the others verified already
                     return out
                 self.counters.retried_steps += 1
                 self._rebuild_step(closure, optimizer)
@@ -388,14 +388,19 @@ class SpotnikStrategy(MembershipHandling, ManualSteps, RingCollectives, Parallel
                 with self._reducer.disarmed():
                     closure()
 
-    def _after_commit(self, vote: Vote, advance: bool = True) -> None:
+    def _after_commit(self, vote: Vote, advance: bool = True, verify: bool = True) -> None:
+        """Book a committed step: count it, advance the cursor, verify replicas (normal path only:
+        a member that caught up in a resync must not start a collective the others are past),
+        tell the listeners, and act on the vote's joiners / leavers."""
         assert self._committer is not None and self._loader is not None and self.ring is not None
         if advance:
             self._committer.committed += 1
         done = self._loader.commit_step()
         epoch, rank, world = done[-1].view if done else self._view()  # the membership the step committed on
         members = list(self.ring.membership.ids)
-        digest = self._verify() if self.verify_replicas else None
+        digest = None
+        if self.verify_replicas:  # a member that caught up reports its hash without the all-gather
+            digest = self._verify() if verify else replica_hash(self.lightning_module, self.optimizers)
         if self.commit_listeners:
             info = CommitInfo(self._committer.committed, epoch, rank, world, members, [e.plan.to_list() for e in done],
                               [i for e in done if e.counted for i in e.indices], self._attempts + 1, digest)
@@ -415,9 +420,9 @@ class SpotnikStrategy(MembershipHandling, ManualSteps, RingCollectives, Parallel
         try:
             out = torch.empty(self.ring.size * mine.numel(), dtype=torch.uint8)
             self.ring.all_gather(out, mine)
-        except MembershipChanged as exc:
+        except MembershipChanged as exc:  # resync at once: the others meet it in their next operation
             self._note_change(exc)
-            self._resync_needed = True
+            self._resync(voted=False, joiner=False)
             return digest
         rows = out.view(self.ring.size, -1)
         if not bool((rows == mine).all()):
