@@ -229,18 +229,25 @@ def run(cfg: dict) -> int:
         batch_policy=cfg.get("policy", "per_worker"), global_batch=cfg.get("global_batch"),
         verify_replicas=bool(cfg.get("verify", True)), seed=int(cfg.get("seed", 0)),
         bucket_mb=float(cfg.get("bucket_mb", 25.0)), atomic=bool(cfg.get("atomic", True)),
-        lr_scaling=bool(cfg.get("lr_scaling", False)))
+        lr_scaling=bool(cfg.get("lr_scaling", False)), sync=cfg.get("sync", "ssgd"),
+        sma_period=int(cfg.get("sma_k", 4)))
     started = time.time()
+    switch_at = {int(s): name for s, name in cfg.get("switch_at", [])}  # committed step -> requested mode
 
     def on_commit(info: CommitInfo) -> None:
+        if info.step in switch_at:
+            strategy.request_sync(switch_at[info.step])
+        if cfg.get("quiet"):
+            return
         emit(ev="commit", id=cfg["id"], step=info.step, epoch=info.epoch, rank=info.rank, world=info.world,
              members=info.members, plans=info.plans, indices=info.indices, seen=model.last_indices,
-             attempts=info.attempts, hash=info.replica_hash)
+             attempts=info.attempts, hash=info.replica_hash, sync=strategy.sync_mode)
 
-    if not cfg.get("quiet"):
-        strategy.commit_listeners.append(on_commit)
+    strategy.commit_listeners.append(on_commit)
     timer = StepTimer()
     callbacks: list[pl.Callback] = [timer]
+    if cfg.get("adaptive"):
+        callbacks.append(_adaptive(cfg["adaptive"]))
     if cfg.get("ckpt_dir"):
         callbacks.append(pl.callbacks.ModelCheckpoint(dirpath=cfg["ckpt_dir"], every_n_train_steps=int(
             cfg.get("every_n_steps", 5)), save_top_k=-1, filename="{step}"))
@@ -267,5 +274,26 @@ def run(cfg: dict) -> int:
          resyncs=strategy.counters.resyncs, wall_s=time.time() - started, step_times=timer.times, rss_mb=_rss_mb(),
          lr=trainer.optimizers[0].param_groups[0]["lr"],
          metrics={k: float(v) for k, v in trainer.progress_bar_metrics.items() if k.startswith("spotnik/")},
-         params=_dump(model, cfg))
+         params=_dump(model, cfg), sync=strategy.sync_mode, switches=strategy.sync_switches,
+         acc=_accuracy(model, train.dataset))
     return 0
+
+
+def _accuracy(model: pl.LightningModule, data: Dataset) -> float | None:
+    """Training-set accuracy of an MLP (None for the benchmark models)."""
+    if not isinstance(model, MLP) or not isinstance(data, TeacherData):
+        return None
+    with torch.no_grad():
+        return float((model.net(data.x).argmax(1) == data.y).float().mean())
+
+
+def _adaptive(spec: dict) -> pl.Callback:
+    """An AdaptiveSync callback from cfg: {"policy": "world", "n": 3} or {"policy": "throughput",
+    "fraction": 0.4}, optional "low"/"high" mode names."""
+    from spotnik_lightning.lightning.adaptive import AdaptiveSync, ThroughputTrigger, WorldSizeThreshold
+
+    low, high = spec.get("low", "adpsgd"), spec.get("high", "ssgd")
+    if spec["policy"] == "world":
+        return AdaptiveSync(WorldSizeThreshold(int(spec["n"]), low=low, high=high))
+    return AdaptiveSync(ThroughputTrigger(float(spec.get("fraction", 0.4)), low=low, high=high,
+                                          window=int(spec.get("window", 5))))

@@ -15,6 +15,7 @@ import torch
 from spotnik_lightning.api import MembershipChanged, SpotnikError
 from spotnik_lightning.lightning import transfer
 from spotnik_lightning.lightning.commit import ReplicaDivergenceError, Resync, StepDiscarded
+from spotnik_lightning.lightning.syncing import CODES
 
 log = logging.getLogger("spotnik.lightning")
 
@@ -37,6 +38,8 @@ class MembershipHandling:
     _provisional: tuple[int, int]
     _resync_needed: bool
     _world_seen: int
+    _sync: str
+    _dirty: bool
     world_size: int
 
     def _recover(self, d: StepDiscarded) -> Resync:
@@ -56,8 +59,9 @@ class MembershipHandling:
         t0 = t0 or time.monotonic()
         res = self._committer.resync(voted=voted and not self._manual, joiner=joiner, capture=self._capture,
                                      adopt=self._adopt, timeout_s=self.ring.timeouts.repair.total_seconds(),
-                                     behind_may_adopt=self._manual)
+                                     behind_may_adopt=self._manual, mode=CODES[self._sync])
         self._resync_needed = False
+        self._agree_sync(res.mode, joiner)
         self.counters.last_recovery_ms = (time.monotonic() - t0) * 1e3
         entry = {"member": self.ring.member_id, "epoch": res.epoch, "rank": self.ring.rank, "world": self.ring.size,
                  "committed": self._committer.committed, "outcome": res.outcome, "donor": res.donor,
@@ -86,6 +90,7 @@ class MembershipHandling:
             "committed": self._committer.committed,
             "cursor": self._loader.cursor.state_dict(),
             "world_seen": self._world_seen,
+            "dirty": self._dirty,
         })
 
     def _adopt(self, ckpt: dict[str, Any]) -> None:
@@ -99,6 +104,7 @@ class MembershipHandling:
         transfer.apply_training_state(self.lightning_module.trainer, ckpt, loops=True)
         self._adopted = ckpt["spotnik"]
         self._world_seen = int(ckpt["spotnik"]["world_seen"])  # the donor's learning rates are for its world
+        self._dirty = bool(ckpt["spotnik"].get("dirty", False))  # a copy of the donor: as (un)like the rest
         self._joiner = False
 
     def _on_membership_event(self, event: Any) -> None:

@@ -1,12 +1,13 @@
 """The step-commit protocol on the ring: the commit vote and the resync after a membership change.
 
 A step's gradients are all-reduced (``sync.reducer``); then every member *votes* (one all-gather
-of four integers: present, committed step count, leaving, joiners waiting). A member applies the
+of six integers: present, committed step count, leaving, joiners waiting, requested sync mode,
+replica possibly differing from its peers ("dirty", model-averaging modes)). A member applies the
 step only after its vote completed, so an applied step implies that every member of that epoch
 had its fully reduced gradients. If the ring changes during the step, the member discards the step
 and calls :meth:`StepCommitter.resync` — its first collective on the new membership, since the ring
 reports each change to each member exactly once. Resync all-gathers ``(committed, voted, reliable,
-joiner)``; then
+joiner, sync mode)``; then
 
 * a member exactly one step behind that had voted applies its pending step locally (the vote
   completed somewhere, so its gradients are the step's reduced gradients: the result is
@@ -15,7 +16,10 @@ joiner)``; then
   reliable tier first, lowest rank) point-to-point over the ring;
 * everybody else retries the discarded step on the new membership.
 
-If the ring changes again during the resync, the resync restarts (it is idempotent).
+If the ring changes again during the resync, the resync restarts (it is idempotent). The resync
+also agrees on the synchronisation mode: the mode of the first member holding the latest committed
+step (members that commit their pending step locally missed that step's vote, and so any switch
+it agreed on).
 """
 
 from __future__ import annotations
@@ -81,6 +85,9 @@ class Vote:
     world: int
     leaving: list[str] = field(default_factory=list)  # member ids that leave after this step
     joiners: int = 0
+    request: int = 0  # agreed sync-mode request (code, 0: none): the lowest rank's non-zero request
+    dirty: bool = False  # some member's replica may differ from the others' (model-averaging modes)
+    leaving_ranks: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -92,6 +99,7 @@ class Resync:
     ms: float
     epoch: int
     phases: dict[str, float] = field(default_factory=dict)  # state transfer: milliseconds per phase
+    mode: int = 0  # the agreed sync-mode code (that of the first member holding the latest step)
 
 
 class StepCommitter:
@@ -101,35 +109,43 @@ class StepCommitter:
         self.ring = ring
         self.committed = committed
 
-    def vote(self, leaving: bool) -> Vote:
+    def vote(self, leaving: bool, request: int = 0, dirty: bool = False) -> Vote:
         """All-gather this member's vote. Raises MembershipChanged when the ring changed (the
         step must not be applied yet: see :meth:`resync`) and ReplicaDivergenceError when members
-        disagree on the committed step count."""
+        disagree on the committed step count. ``request``: a sync-mode code this member asks for
+        (0: none); the lowest rank's non-zero request is the agreed one. ``dirty``: this member's
+        replica may differ from its peers'."""
         ring = self.ring
         n, ids = ring.size, list(ring.membership.ids)
-        info = torch.tensor([1, self.committed, int(leaving), ring.joiners_waiting], dtype=torch.int64)
-        out = torch.empty(n * 4, dtype=torch.int64)
+        info = torch.tensor([1, self.committed, int(leaving), ring.joiners_waiting, request, int(dirty)],
+                            dtype=torch.int64)
+        out = torch.empty(n * 6, dtype=torch.int64)
         ring.all_gather(out, info)
-        rows = out.view(n, 4)
+        rows = out.view(n, 6)
         if bool((rows[:, 1] != self.committed).any()):
             raise ReplicaDivergenceError(
                 f"committed step counts differ at epoch {ring.epoch}: "
                 f"{dict(zip(ids, rows[:, 1].tolist(), strict=True))}")
-        return Vote(n, [ids[r] for r in range(n) if rows[r, 2]], int(rows[:, 3].sum()))
+        requests = [int(r) for r in rows[:, 4].tolist() if r]
+        return Vote(n, [ids[r] for r in range(n) if rows[r, 2]], int(rows[:, 3].sum()),
+                    requests[0] if requests else 0, bool(rows[:, 5].any()),
+                    [r for r in range(n) if rows[r, 2]])
 
     def resync(self, *, voted: bool, joiner: bool, capture: Callable[[], list[torch.Tensor]],
-               adopt: Callable[[Any], None], timeout_s: float, behind_may_adopt: bool = False) -> Resync:
+               adopt: Callable[[Any], None], timeout_s: float, behind_may_adopt: bool = False,
+               mode: int = 0) -> Resync:
         """Agree on committed state after a membership change (see the module doc). ``voted``:
         this member voted in the step it is discarding; ``joiner``: it has no state yet.
         ``capture()`` (donor) packs the state (:func:`packing.pack`), ``adopt(state)`` (receiver)
         loads the unpacked state.
         ``behind_may_adopt``: members behind receive state too (manual optimization, where a
         discarded step was rolled back and cannot be applied locally); otherwise only joiners do.
+        ``mode``: this member's sync-mode code (the result's ``mode`` is the agreed one).
         Blocks until done; raises MembershipTimeoutError after ``timeout_s`` of repeated changes."""
         t0 = time.monotonic()
         while True:
             try:
-                return self._resync_once(voted, joiner, capture, adopt, t0, behind_may_adopt)
+                return self._resync_once(voted, joiner, capture, adopt, t0, behind_may_adopt, mode)
             except MembershipChanged as exc:
                 if time.monotonic() - t0 > timeout_s:
                     raise MembershipTimeoutError(
@@ -138,14 +154,15 @@ class StepCommitter:
                 log.info("membership changed again during resync at %s: %s", self.ring.member_id, exc)
 
     def _resync_once(self, voted: bool, joiner: bool, capture: Callable[[], list[torch.Tensor]],
-                     adopt: Callable[[Any], None], t0: float, behind_may_adopt: bool) -> Resync:
+                     adopt: Callable[[Any], None], t0: float, behind_may_adopt: bool, mode: int = 0) -> Resync:
         ring = self.ring
         n, me = ring.size, ring.rank
         reliable = int(ring.me.tier == "reliable")
-        info = torch.tensor([-1 if joiner else self.committed, int(voted), reliable, int(joiner)], dtype=torch.int64)
-        out = torch.empty(n * 4, dtype=torch.int64)
+        info = torch.tensor([-1 if joiner else self.committed, int(voted), reliable, int(joiner), mode],
+                            dtype=torch.int64)
+        out = torch.empty(n * 5, dtype=torch.int64)
         ring.all_gather(out, info)
-        rows = out.view(n, 4).tolist()
+        rows = out.view(n, 5).tolist()
         top = max(r[0] for r in rows)
         if top < 0:
             raise ReplicaDivergenceError(f"no member of epoch {ring.epoch} holds any state (all joiners)")
@@ -200,4 +217,5 @@ class StepCommitter:
             outcome = "commit"
         else:
             outcome = "retry"
-        return Resync(outcome, donor, len(needy), nbytes, (time.monotonic() - t0) * 1e3, ring.epoch, phases)
+        agreed = next(r[4] for r in rows if r[0] == top)
+        return Resync(outcome, donor, len(needy), nbytes, (time.monotonic() - t0) * 1e3, ring.epoch, phases, agreed)
