@@ -9,13 +9,12 @@ stay within a stated distance of each other; switching back to S-SGD makes repli
 
 from __future__ import annotations
 
-import signal
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.test_lightning_strategy import check_run, cluster, finished
+from tests.test_lightning_strategy import cluster, finished
 
 ACC = 0.75  # training accuracy every mode reaches in 3 epochs (chance: 0.25)
 
