@@ -9,12 +9,15 @@ stay within a stated distance of each other; switching back to S-SGD makes repli
 
 from __future__ import annotations
 
+import os
 import signal
 from pathlib import Path
 
 import pytest
 import torch
 
+from spotnik_lightning.api import ConfigError
+from spotnik_lightning.lightning.adaptive import ThroughputTrigger, WorldSizeThreshold
 from tests.test_lightning_strategy import check_run, cluster, finished
 
 ACC = 0.75  # training accuracy every mode reaches in 3 epochs (chance: 0.25)
@@ -119,3 +122,40 @@ def test_a_joiner_under_adpsgd_learns_the_mode(embedded_server) -> None:
         check_run(c, [*ids, "j0"], epochs=2)
         joined = [e for e in c.of("commit") if e["id"] == "j0"]
         assert joined and joined[0]["step"] < 22 and joined[0]["sync"] == "adpsgd"
+
+
+def test_throughput_trigger_and_world_size_threshold_policies() -> None:
+    trig = ThroughputTrigger(0.4)
+    m = {"world": 1, "sync": "ssgd", "ratio": 1.0}
+    assert trig(m) is None
+    assert trig({**m, "world": 4, "ratio": 0.41}) is None
+    assert trig({**m, "world": 5, "ratio": 0.39}) == "adpsgd"
+    assert trig({**m, "world": 6, "sync": "adpsgd", "ratio": 0.9}) is None  # no way back while it grows
+    assert trig({**m, "world": 4, "sync": "adpsgd", "ratio": 0.9}) == "ssgd"
+    thr = WorldSizeThreshold(4, low="sma")
+    assert [thr({"world": n}) for n in (1, 3, 4, 7)] == ["ssgd", "ssgd", "sma", "sma"]
+    with pytest.raises(ConfigError):
+        ThroughputTrigger(1.5)
+
+
+def test_adaptive_callback_switches_on_world_size(embedded_server) -> None:
+    """3 members in S-SGD; a 4th joins: AD-PSGD (WorldSizeThreshold(4)); one leaves (SIGTERM): S-SGD
+    again, replicas identical to the end."""
+    ids = [f"w{i}" for i in range(3)]
+    with cluster(embedded_server.url, epochs=3, pace_s=0.02, adaptive={"policy": "world", "n": 4},
+                 log_level=os.environ.get("WT5_LOG")) as c:
+        for mid in ids:
+            c.spawn(mid, world_size=3)
+        c.wait_for(lambda e: e["ev"] == "commit" and e["step"] == 3, 60, "step 3")
+        c.spawn("j0")
+        c.wait_for(lambda e: e["ev"] == "commit" and e["sync"] == "adpsgd", 60, "the switch to adpsgd")
+        c.signal("w1", signal.SIGTERM)
+        by_step = check_run(c, ["w0", "w2", "j0"], epochs=3)
+        modes = _modes(c)
+        seq = [modes[s].pop() for s in sorted(modes)]
+        flips = [(a, b) for a, b in zip(seq, seq[1:], strict=False) if a != b]
+        assert flips == [("ssgd", "adpsgd"), ("adpsgd", "ssgd")]
+        first = [s for s in sorted(by_step) if by_step[s][0]["sync"] == "adpsgd"]
+        assert by_step[first[0]][0]["world"] == 4 and by_step[first[-1] + 1][0]["world"] == 3
+        ends = {e["id"]: e for e in c.of("done")}
+        assert all(e["metrics"]["spotnik/sync"] == 1.0 and e["sync"] == "ssgd" for e in ends.values())

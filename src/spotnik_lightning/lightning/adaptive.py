@@ -108,7 +108,7 @@ class AdaptiveSync(pl.Callback):
             self._times.clear()
             self._world = world
         self._times.append((time.perf_counter() - self._t, _local_samples(batch)))
-        pl_module.log("spotnik/sync", float(CODES[strategy.sync_mode]), on_step=True, prog_bar=False)
+        pl_module.log("spotnik/sync", float(CODES[strategy.sync_mode]), on_step=True, prog_bar=True)
         if len(self._times) < self.window:
             return
         step_s = sum(t for t, _ in self._times) / len(self._times)

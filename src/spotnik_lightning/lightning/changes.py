@@ -126,6 +126,20 @@ class MembershipHandling:
         trainer = self.lightning_module.trainer
         trainer._signal_connector.received_sigterm = True
 
+    def _departure_barrier(self, leaving: list[str]) -> None:
+        """Everybody, leavers included, after a vote with leavers (unless the replica check already
+        was such a collective): a leaver's barrier completes only once every member entered it, i.e.
+        completed the vote, so no leaver can commit a step that the others then lose to its
+        departure. A survivor that sees the departure here has observed it (as in
+        :meth:`_await_departure`)."""
+        try:
+            self.ring.barrier()
+        except MembershipChanged as exc:
+            if self.ring.member_id not in leaving:
+                self.counters.changes += 1
+                self.counters.leaves += len(leaving)
+                log.info("%s saw %s leave: %s", self.ring.member_id, leaving, exc)
+
     def _await_departure(self, leaving: list[str]) -> None:
         """Survivors: observe the leavers' departure in a barrier (they never enter it), so the
         next step starts on the new membership and nothing is retried."""

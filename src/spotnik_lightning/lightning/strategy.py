@@ -414,6 +414,8 @@ class SpotnikStrategy(MembershipHandling, ManualSteps, RingCollectives, SyncMode
                 fn(info)
         if vote.joiners:
             self._admit_next = True
+        if vote.leaving and post and digest is None and not self._resync_needed:
+            self._departure_barrier(vote.leaving)
         if vote.leaving:
             if self.ring.member_id in vote.leaving:
                 self._leave()

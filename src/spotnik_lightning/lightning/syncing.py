@@ -12,7 +12,9 @@ in this order: [resync] [admission] gradient all-reduce (ssgd only) · vote · m
 switch averaging · replica check. The averaging steps run only when the vote and the agreed mode
 say so, so every member issues the same sequence. A membership change observed in one of the
 post-commit operations skips the rest of them and makes the next operation the resync — which is
-also where the other members go after observing the change in their own next collective.
+also where the other members go after observing the change in their own next collective. After a
+vote with leavers (SIGTERM) no averaging runs in that step: the leavers depart at once and the
+others observe the departure in the barrier that follows, as in S-SGD.
 
 Switching: :meth:`request_sync` puts a request in this member's next votes; when a vote completes,
 the lowest rank's request is the agreed one and every member switches after applying that step.
@@ -119,23 +121,26 @@ class SyncModes:
             self._dirty = True
         check: str | None = "full" if ran == "ssgd" and not vote.dirty else None
         ok = collectives
-        if ok and ran != "ssgd":
+        # Leavers depart right after this commit and the others observe that in the departure
+        # barrier: no averaging now (a pairwise exchange would race with the departure).
+        average = ok and not vote.leaving
+        if average and ran != "ssgd":
             try:
                 if ran == "sma":
                     if self._sma.after_step(self.ring, self._model_tensors(), step):
                         check = "params"
                 else:
-                    _, err = self._adpsgd.after_step(self.ring, self._model_tensors(), step, vote.leaving_ranks)
+                    _, err = self._adpsgd.after_step(self.ring, self._model_tensors(), step)
                     if err is not None:
                         raise err
             except MembershipChanged as exc:
-                ok = self._observed_in_post_step(exc)
+                ok = average = self._observed_in_post_step(exc)
         if vote.request:
             self._sync_request = None
             self._set_sync(NAMES[vote.request], "vote")
         if self._sync == "ssgd" and (vote.dirty or ran != "ssgd"):
             check = None
-            if ok:
+            if average:
                 try:
                     average_all(self.ring, self._state_tensors())
                     self._dirty = False

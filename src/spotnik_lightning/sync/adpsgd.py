@@ -7,8 +7,10 @@ Update rule for member ``i`` at committed step ``s``:
     if p is not None:  x_i ← (x_i + x_p) / 2 (one exchange per dtype with p only)
 
 There is no global collective in the averaging: each pair talks only to itself. The candidates are
-the current ranks minus those known to be leaving, so a departing peer is dropped at once; with an
-odd number the odd one out skips this step. A failed exchange (a membership change) is *skipped*,
+the current ranks minus ``exclude``; with an odd number the odd one out skips this step. A peer
+that left or died is gone from the next membership, so it is dropped from the candidates at once
+(the strategy skips the averaging of a step after which a member leaves: see
+:mod:`spotnik_lightning.lightning.syncing`). A failed exchange (a membership change) is *skipped*,
 never retried: the caller gets the :class:`MembershipChanged` back and must treat it as observed
 (the ring reports each change once per member, so its next collective must be the resync that
 the other members reach through their own next collective).
