@@ -174,7 +174,7 @@ def build(cfg: dict) -> tuple[pl.LightningModule, DataLoader, DataLoader | None]
                 DataLoader(images, batch_size=int(cfg.get("batch", 2)), shuffle=False), None)
     data = TeacherData(int(cfg.get("n_data", 512)), seed=int(cfg.get("data_seed", 0)))
     cls = TwoOptimizers if cfg.get("manual") else MLP
-    model = cls(lr=float(cfg.get("lr", 0.05)), optimizer=cfg.get("optimizer", "sgd"),
+    model = cls(lr=float(cfg.get("lr", 0.05)), optimizer=cfg.get("optimizer", "sgd"), hidden=int(cfg.get("hidden", 64)),
                 pace_s=float(cfg.get("pace_s", 0.0)), scheduler=bool(cfg.get("scheduler", True)), n_data=len(data))
     train = DataLoader(data, batch_size=int(cfg.get("batch", 8)), shuffle=bool(cfg.get("shuffle", True)))
     val = DataLoader(TeacherData(64, seed=99), batch_size=32) if cfg.get("validate") else None

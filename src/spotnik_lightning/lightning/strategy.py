@@ -364,6 +364,8 @@ class SpotnikStrategy(MembershipHandling, ManualSteps, RingCollectives, SyncMode
                     raise StepDiscarded(err, voted=False, loss=loss)
             else:  # model-averaging modes: the local gradient of this member's slice
                 loss = closure()
+                if not weight:  # no samples of the plan (a stand-in sample): no local update
+                    self.lightning_module.zero_grad(set_to_none=True)
             self._faults.at("vote", self._committer.committed)
             if not self.atomic:
                 return loss
