@@ -7,7 +7,8 @@ compute is emulated by ``--pace`` seconds of sleep per step (the machine has 2 c
 six workers from competing for them), on top of a real MLP whose size (``--hidden``) sets the bytes
 each step moves. The run starts with 1 worker and adds one every ``--period`` seconds up to
 ``--workers``; per-worker throughput (samples per second of each worker's own slices) is binned in
-``--bin`` seconds from the commit events (bins overlapping a join include its stall). Writes benchmarks/out/adaptive_fig6.json and .png. Needs root.
+``--bin`` seconds from the commit events (bins overlapping a join include its stall).
+Writes benchmarks/out/adaptive_fig6.json and .png. Needs root.
 
   python benchmarks/adaptive_fig6.py --workers 6 --period 15 --rate 8mbit --pace 0.2 --hidden 160
 """
@@ -90,6 +91,12 @@ def summarise(res: dict, baseline: float) -> dict:
     return {w: round(statistics.median(v) / baseline, 3) for w, v in sorted(by.items())}
 
 
+def _min_after_join(res: dict, baseline: float, width: float) -> float:
+    """The lowest binned per-worker throughput / baseline once the second worker is in."""
+    after = [p["per_worker"] / baseline for p in res["series"] if p["world"] > 1 and p["t"] >= res["joined_s"][1] + width]
+    return round(min(after), 3) if after else float("nan")
+
+
 def plot(results: list[dict], baseline: float, path: Path) -> None:
     import matplotlib
 
@@ -127,9 +134,7 @@ def main() -> int:
     baseline = statistics.median(one)
     out = {"args": vars(args), "baseline_samples_per_s": baseline,
            "relative_by_world": {r["mode"]: summarise(r, baseline) for r in results},
-           "min_relative_after_first_join": {r["mode"]: round(min(
-               p["per_worker"] / baseline for p in r["series"] if p["world"] > 1 and p["t"] >= r["joined_s"][1] + args.bin), 3)
-               for r in results},
+           "min_relative_after_first_join": {r["mode"]: _min_after_join(r, baseline, args.bin) for r in results},
            "runs": results}
     OUT.mkdir(exist_ok=True)
     (OUT / "adaptive_fig6.json").write_text(json.dumps(out, indent=1))
