@@ -93,7 +93,8 @@ def summarise(res: dict, baseline: float) -> dict:
 
 def _min_after_join(res: dict, baseline: float, width: float) -> float:
     """The lowest binned per-worker throughput / baseline once the second worker is in."""
-    after = [p["per_worker"] / baseline for p in res["series"] if p["world"] > 1 and p["t"] >= res["joined_s"][1] + width]
+    start = res["joined_s"][1] + width
+    after = [p["per_worker"] / baseline for p in res["series"] if p["world"] > 1 and p["t"] >= start]
     return round(min(after), 3) if after else float("nan")
 
 
