@@ -75,7 +75,7 @@ def run_mode(args: argparse.Namespace, mode: str) -> dict:
         world[s] = max(world.get(s, 0), e["world"])
         sync[s] = e["sync"]
     series = [{"t": s, "world": world[s], "sync": sync[s],
-               "per_worker": statistics.mean(bins[s].values()) / args.bin} for s in sorted(bins)]
+               "per_worker": statistics.mean(bins[s].values()) / args.bin} for s in sorted(bins)[:-1]]  # last: partial
     return {"mode": mode, "joined_s": joined, "series": series, "errors": errors}
 
 
@@ -91,10 +91,16 @@ def summarise(res: dict, baseline: float) -> dict:
     return {w: round(statistics.median(v) / baseline, 3) for w, v in sorted(by.items())}
 
 
-def _min_after_join(res: dict, baseline: float, width: float) -> float:
-    """The lowest binned per-worker throughput / baseline once the second worker is in."""
+def _min_after_join(res: dict, baseline: float, width: float, skip_joins: bool = False) -> float:
+    """The lowest binned per-worker throughput / baseline once the second worker is in
+    (``skip_joins``: leaving out the bins in which a worker joined, i.e. the join stalls)."""
     start = res["joined_s"][1] + width
-    after = [p["per_worker"] / baseline for p in res["series"] if p["world"] > 1 and p["t"] >= start]
+
+    def join_bin(t: float) -> bool:
+        return any(t <= j < t + width for j in res["joined_s"][1:])
+
+    after = [p["per_worker"] / baseline for p in res["series"] if p["world"] > 1 and p["t"] >= start
+             and not (skip_joins and join_bin(p["t"]))]
     return round(min(after), 3) if after else float("nan")
 
 
@@ -128,20 +134,29 @@ def main() -> int:
     ap.add_argument("--fraction", type=float, default=0.65, help="ThroughputTrigger fraction for 'switching'")
     ap.add_argument("--modes", default="ssgd,adpsgd,switching")
     ap.add_argument("--bin", type=float, default=3.0, help="seconds per throughput bin")
+    ap.add_argument("--replot", action="store_true", help="re-summarise and re-plot the runs of the last JSON")
     args = ap.parse_args()
-    results = [run_mode(args, m) for m in args.modes.split(",")]
+    if args.replot:
+        saved = json.loads((OUT / "adaptive_fig6.json").read_text())
+        results = saved["runs"]
+        for r in results:  # older files kept the trailing partial bin
+            r["series"] = [p for p in r["series"] if p["t"] + args.bin <= r["joined_s"][-1] + args.period]
+    else:
+        results = [run_mode(args, m) for m in args.modes.split(",")]
     first = next(r for r in results if r["mode"] == "ssgd") if "ssgd" in args.modes else results[0]
     one = [p["per_worker"] for p in first["series"] if p["world"] == 1][1:]
     baseline = statistics.median(one)
     out = {"args": vars(args), "baseline_samples_per_s": baseline,
            "relative_by_world": {r["mode"]: summarise(r, baseline) for r in results},
            "min_relative_after_first_join": {r["mode"]: _min_after_join(r, baseline, args.bin) for r in results},
+           "min_relative_outside_join_bins": {r["mode"]: _min_after_join(r, baseline, args.bin, True) for r in results},
            "runs": results}
     OUT.mkdir(exist_ok=True)
     (OUT / "adaptive_fig6.json").write_text(json.dumps(out, indent=1))
     plot(results, baseline, OUT / "adaptive_fig6.png")
     print(json.dumps({k: out[k] for k in ("baseline_samples_per_s", "relative_by_world",
-                                           "min_relative_after_first_join")}, indent=1))
+                                           "min_relative_after_first_join", "min_relative_outside_join_bins")},
+                     indent=1))
     return 0
 
 
