@@ -8,7 +8,7 @@ six workers from competing for them), on top of a real MLP whose size (``--hidde
 each step moves. The run starts with 1 worker and adds one every ``--period`` seconds up to
 ``--workers``; per-worker throughput (samples per second of each worker's own slices) is binned in
 ``--bin`` seconds from the commit events (bins overlapping a join include its stall).
-Writes benchmarks/out/adaptive_fig6.json and .png. Needs root.
+Writes benchmarks/out/adaptive_fig6.json and docs/img/adaptive_fig6.png. Needs root.
 
   python benchmarks/adaptive_fig6.py --workers 6 --period 15 --rate 8mbit --pace 0.2 --hidden 160
 """
@@ -153,7 +153,7 @@ def main() -> int:
            "runs": results}
     OUT.mkdir(exist_ok=True)
     (OUT / "adaptive_fig6.json").write_text(json.dumps(out, indent=1))
-    plot(results, baseline, OUT / "adaptive_fig6.png")
+    plot(results, baseline, Path(__file__).resolve().parent.parent / "docs" / "img" / "adaptive_fig6.png")
     print(json.dumps({k: out[k] for k in ("baseline_samples_per_s", "relative_by_world",
                                            "min_relative_after_first_join", "min_relative_outside_join_bins")},
                      indent=1))
