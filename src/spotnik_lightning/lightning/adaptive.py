@@ -119,7 +119,7 @@ class AdaptiveSync(pl.Callback):
                    "throughput": throughput, "baseline": self.baseline,
                    "ratio": throughput / self.baseline if self.baseline else None}
         want = self.policy(metrics)
-        if want and want != strategy.sync_mode and want != strategy._sync_request:
+        if want and want != strategy.sync_mode and want != strategy.sync_requested:
             strategy.request_sync(want)
             entry = {**metrics, "request": want}
             self.requests.append(entry)

@@ -70,6 +70,11 @@ class SyncModes:
         """The synchronisation mode in effect (agreed by all members)."""
         return self._sync
 
+    @property
+    def sync_requested(self) -> str | None:
+        """This member's pending request (None: none), cleared when a vote agrees on any request."""
+        return self._sync_request
+
     def request_sync(self, name: str) -> None:
         """Ask for ``name`` (``"ssgd"``, ``"sma"``, ``"adpsgd"``) from the next agreed step boundary.
         Carried in this member's votes until a vote agrees on a request (any member's); asking for
