@@ -407,7 +407,7 @@ class SpotnikStrategy(MembershipHandling, ManualSteps, RingCollectives, SyncMode
         check = self._post_step(vote, collectives=post)
         digest = None
         if self.verify_replicas and check:
-            digest = self._verify(params_only=check == "params") if post else replica_hash(
+            digest = self._verify(params_only=check == "params", leaving=vote.leaving) if post else replica_hash(
                 self.lightning_module, self.optimizers)
         if self.commit_listeners:
             info = CommitInfo(self._committer.committed, epoch, rank, world, members, [e.plan.to_list() for e in done],
@@ -424,13 +424,22 @@ class SpotnikStrategy(MembershipHandling, ManualSteps, RingCollectives, SyncMode
             else:
                 self._await_departure(vote.leaving)
 
-    def _verify(self, params_only: bool = False) -> str:
+    def _verify(self, params_only: bool = False, leaving: list[str] | None = None) -> str:
+        """All-gather the replica hash and compare. A membership change seen here after a vote with
+        ``leaving`` members is their departure (the leaver may finish this check and leave before a
+        survivor's check completes): observed like in the departure barrier, no resync."""
         digest = replica_hash(self.lightning_module, [] if params_only else self.optimizers)
         mine = torch.tensor(list(bytes.fromhex(digest)), dtype=torch.uint8)
         try:
             out = torch.empty(self.ring.size * mine.numel(), dtype=torch.uint8)
             self.ring.all_gather(out, mine)
         except MembershipChanged as exc:
+            if leaving:
+                if self.ring.member_id not in leaving:
+                    self.counters.changes += 1
+                    self.counters.leaves += len(leaving)
+                    log.info("%s saw %s leave: %s", self.ring.member_id, leaving, exc)
+                return digest
             self._note_change(exc)
             self._resync_needed = True
             return digest
