@@ -19,6 +19,7 @@ import argparse
 import json
 import statistics
 import sys
+import tempfile
 import time
 import uuid
 from contextlib import ExitStack
@@ -37,10 +38,10 @@ OUT = Path(__file__).parent / "out"
 def run_mode(args: argparse.Namespace, mode: str) -> dict:
     """One run: 1 worker, one more every period; returns per-second per-worker throughput."""
     n = args.workers
-    with NetnsBed(n) as bed, ExitStack() as stack:
+    with tempfile.TemporaryDirectory(prefix="fig6-") as tmp, NetnsBed(n) as bed, ExitStack() as stack:
         for h in bed.hosts:
             bed.rate_limit(h, args.rate, burst="64kb", latency="400ms")
-        start_etcd(bed, Path(f"/tmp/fig6-etcd-{uuid.uuid4().hex[:6]}"))
+        start_etcd(bed, Path(tmp) / "etcd")
         url = f"etcd://{bed.switch_addr}:2379"
         run_id = f"fig6-{mode}-{uuid.uuid4().hex[:6]}"
         cfg = dict(entry=f"{WORKER}:run", epochs=1000, n_data=100_000, batch=args.batch, pace_s=args.pace,
