@@ -174,7 +174,7 @@ def build(cfg: dict) -> tuple[pl.LightningModule, DataLoader, DataLoader | None]
                 DataLoader(images, batch_size=int(cfg.get("batch", 2)), shuffle=False), None)
     data = TeacherData(int(cfg.get("n_data", 512)), seed=int(cfg.get("data_seed", 0)))
     cls = TwoOptimizers if cfg.get("manual") else MLP
-    model = cls(lr=float(cfg.get("lr", 0.05)), optimizer=cfg.get("optimizer", "sgd"),
+    model = cls(lr=float(cfg.get("lr", 0.05)), optimizer=cfg.get("optimizer", "sgd"), hidden=int(cfg.get("hidden", 64)),
                 pace_s=float(cfg.get("pace_s", 0.0)), scheduler=bool(cfg.get("scheduler", True)), n_data=len(data))
     train = DataLoader(data, batch_size=int(cfg.get("batch", 8)), shuffle=bool(cfg.get("shuffle", True)))
     val = DataLoader(TeacherData(64, seed=99), batch_size=32) if cfg.get("validate") else None
@@ -229,8 +229,10 @@ def run(cfg: dict) -> int:
         batch_policy=cfg.get("policy", "per_worker"), global_batch=cfg.get("global_batch"),
         verify_replicas=bool(cfg.get("verify", True)), seed=int(cfg.get("seed", 0)),
         bucket_mb=float(cfg.get("bucket_mb", 25.0)), atomic=bool(cfg.get("atomic", True)),
-        lr_scaling=bool(cfg.get("lr_scaling", False)))
+        lr_scaling=bool(cfg.get("lr_scaling", False)), sync=cfg.get("sync", "ssgd"),
+        sma_period=int(cfg.get("sma_k", 4)))
     started = time.time()
+    switch_at = {int(s): name for s, name in cfg.get("switch_at", [])}  # committed step -> requested mode
 
     perturb = cfg.get("perturb_at")  # test hook: this member's parameters drift after that step
 
@@ -238,14 +240,19 @@ def run(cfg: dict) -> int:
         if perturb is not None and info.step == perturb:
             with torch.no_grad():
                 next(model.parameters()).add_(1e-3)
+        if info.step in switch_at:
+            strategy.request_sync(switch_at[info.step])
+        if cfg.get("quiet"):
+            return
         emit(ev="commit", id=cfg["id"], step=info.step, epoch=info.epoch, rank=info.rank, world=info.world,
              members=info.members, plans=info.plans, indices=info.indices, seen=model.last_indices,
-             attempts=info.attempts, hash=info.replica_hash)
+             attempts=info.attempts, hash=info.replica_hash, sync=strategy.sync_mode)
 
-    if not cfg.get("quiet"):
-        strategy.commit_listeners.append(on_commit)
+    strategy.commit_listeners.append(on_commit)
     timer = StepTimer()
     callbacks: list[pl.Callback] = [timer]
+    if cfg.get("adaptive"):
+        callbacks.append(_adaptive(cfg["adaptive"]))
     if cfg.get("young_daly"):
         from spotnik_lightning.lightning.checkpointing import YoungDalyCheckpoint
 
@@ -277,5 +284,26 @@ def run(cfg: dict) -> int:
          resyncs=strategy.counters.resyncs, wall_s=time.time() - started, step_times=timer.times, rss_mb=_rss_mb(),
          lr=trainer.optimizers[0].param_groups[0]["lr"],
          metrics={k: float(v) for k, v in trainer.progress_bar_metrics.items() if k.startswith("spotnik/")},
-         params=_dump(model, cfg))
+         params=_dump(model, cfg), sync=strategy.sync_mode, switches=strategy.sync_switches,
+         acc=_accuracy(model, train.dataset))
     return 0
+
+
+def _accuracy(model: pl.LightningModule, data: Dataset) -> float | None:
+    """Training-set accuracy of an MLP (None for the benchmark models)."""
+    if not isinstance(model, MLP) or not isinstance(data, TeacherData):
+        return None
+    with torch.no_grad():
+        return float((model.net(data.x).argmax(1) == data.y).float().mean())
+
+
+def _adaptive(spec: dict) -> pl.Callback:
+    """An AdaptiveSync callback from cfg: {"policy": "world", "n": 3} or {"policy": "throughput",
+    "fraction": 0.4}, optional "low"/"high" mode names."""
+    from spotnik_lightning.lightning.adaptive import AdaptiveSync, ThroughputTrigger, WorldSizeThreshold
+
+    low, high = spec.get("low", "adpsgd"), spec.get("high", "ssgd")
+    if spec["policy"] == "world":
+        return AdaptiveSync(WorldSizeThreshold(int(spec["n"]), low=low, high=high))
+    return AdaptiveSync(ThroughputTrigger(float(spec.get("fraction", 0.4)), low=low, high=high,
+                                          window=int(spec.get("window", 5))))

@@ -15,6 +15,7 @@ import torch
 from spotnik_lightning.api import MembershipChanged, SpotnikError
 from spotnik_lightning.lightning import transfer
 from spotnik_lightning.lightning.commit import ReplicaDivergenceError, Resync, StepDiscarded
+from spotnik_lightning.lightning.syncing import CODES
 
 log = logging.getLogger("spotnik.lightning")
 
@@ -39,6 +40,9 @@ class MembershipHandling:
     _coll_last: Any
     _world_seen: int
     _faults: Any
+    _admit_next: bool
+    _sync: str
+    _dirty: bool
     world_size: int
 
     def _recover(self, d: StepDiscarded) -> Resync:
@@ -59,7 +63,10 @@ class MembershipHandling:
                                      adopt=self._adopt, timeout_s=self.ring.timeouts.repair.total_seconds(),
                                      behind_may_adopt=self._manual,
                                      before_send=lambda: self._faults.at("state_send", self._committer.committed),
-                                     coll_done=self._coll_done, coll_last=lambda: self._coll_last)
+                                     coll_done=self._coll_done, coll_last=lambda: self._coll_last,
+                                     mode=CODES[self._sync])
+        self._agree_sync(res.mode, joiner)
+        self._admit_next = False  # a vote's joiner flag is not known to all after a change: asked again
         self.counters.last_recovery_ms = (time.monotonic() - t0) * 1e3
         entry = {"member": self.ring.member_id, "epoch": res.epoch, "rank": self.ring.rank, "world": self.ring.size,
                  "committed": self._committer.committed, "outcome": res.outcome, "donor": res.donor,
@@ -89,6 +96,7 @@ class MembershipHandling:
             "cursor": self._loader.cursor.state_dict(),
             "world_seen": self._world_seen,
             "coll_done": self._coll_done,
+            "dirty": self._dirty,
         })
 
     def _adopt(self, ckpt: dict[str, Any]) -> None:
@@ -103,6 +111,7 @@ class MembershipHandling:
         self._adopted = ckpt["spotnik"]
         self._world_seen = int(ckpt["spotnik"]["world_seen"])  # the donor's learning rates are for its world
         self._coll_done = int(ckpt["spotnik"]["coll_done"])  # its Lightning collectives count from here on
+        self._dirty = bool(ckpt["spotnik"].get("dirty", False))  # a copy of the donor: as (un)like the rest
         self._joiner = False
 
     def _on_membership_event(self, event: Any) -> None:
@@ -124,6 +133,17 @@ class MembershipHandling:
         trainer = self.lightning_module.trainer
         trainer._signal_connector.received_sigterm = True
 
+    def _departure_barrier(self, leaving: list[str]) -> None:
+        """Everybody, leavers included, after a vote with leavers (unless the replica check already
+        was such a collective): a leaver's barrier completes only once every member entered it, i.e.
+        completed the vote, so no leaver leaves while a survivor may still need its last pieces of
+        the vote. A survivor that meets the departure here observes it (see :meth:`_saw_departure`)."""
+        try:
+            self.ring.barrier()
+        except MembershipChanged as exc:
+            if self.ring.member_id not in leaving:
+                self._saw_departure(leaving, exc)
+
     def _await_departure(self, leaving: list[str]) -> None:
         """Survivors: observe the leavers' departure in a barrier (they never enter it), so the
         next step starts on the new membership and nothing is retried."""
@@ -135,8 +155,14 @@ class MembershipHandling:
             try:
                 self.ring.barrier()
             except MembershipChanged as exc:
-                self.counters.changes += 1
-                self.counters.leaves += len(leaving)
-                log.info("%s saw %s leave: %s", self.ring.member_id, leaving, exc)
+                self._saw_departure(leaving, exc)
         self._set_rank_zero()
         self._note_world()
+
+    def _saw_departure(self, leaving: list[str], exc: MembershipChanged) -> None:
+        """A survivor met the leavers' departure: count it and resync at once, like for any change
+        (every survivor meets it once, in whichever operation it is in, so all resync)."""
+        self.counters.changes += 1
+        self.counters.leaves += len(leaving)
+        log.info("%s saw %s leave: %s", self.ring.member_id, leaving, exc)
+        self._resync(voted=False, joiner=False)

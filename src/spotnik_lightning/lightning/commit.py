@@ -1,12 +1,13 @@
 """The step-commit protocol on the ring: the commit vote and the resync after a membership change.
 
 A step's gradients are all-reduced (``sync.reducer``); then every member *votes* (one all-gather
-of four integers: present, committed step count, leaving, joiners waiting). A member applies the
+of six integers: present, committed step count, leaving, joiners waiting, requested sync mode,
+replica possibly differing from its peers ("dirty", model-averaging modes)). A member applies the
 step only after its vote completed, so an applied step implies that every member of that epoch
 had its fully reduced gradients. If the ring changes during the step, the member discards the step
 and calls :meth:`StepCommitter.resync` — its first collective on the new membership, since the ring
 reports each change to each member exactly once. Resync all-gathers ``(committed, voted, reliable,
-joiner, collectives done)``; then
+joiner, sync mode, collectives done)``; then
 
 * if some members completed one more of Lightning's own collectives (outside steps) than others,
   the result is served to those that had not (:meth:`StepCommitter._serve`);
@@ -18,7 +19,10 @@ joiner, collectives done)``; then
   reliable tier first, lowest rank) point-to-point over the ring;
 * everybody else retries the discarded step on the new membership.
 
-If the ring changes again during the resync, the resync restarts (it is idempotent).
+If the ring changes again during the resync, the resync restarts (it is idempotent). The resync
+also agrees on the synchronisation mode: the mode of the first member holding the latest committed
+step (members that commit their pending step locally missed that step's vote, and so any switch
+it agreed on).
 """
 
 from __future__ import annotations
@@ -84,6 +88,9 @@ class Vote:
     world: int
     leaving: list[str] = field(default_factory=list)  # member ids that leave after this step
     joiners: int = 0
+    request: int = 0  # agreed sync-mode request (code, 0: none): the lowest rank's non-zero request
+    dirty: bool = False  # some member's replica may differ from the others' (model-averaging modes)
+    leaving_ranks: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -95,6 +102,7 @@ class Resync:
     ms: float
     epoch: int
     phases: dict[str, float] = field(default_factory=dict)  # state transfer: milliseconds per phase
+    mode: int = 0  # the agreed sync-mode code (that of the first member holding the latest step)
     served: torch.Tensor | None = None  # the interrupted Lightning collective's result, from a peer
 
 
@@ -105,26 +113,32 @@ class StepCommitter:
         self.ring = ring
         self.committed = committed
 
-    def vote(self, leaving: bool) -> Vote:
+    def vote(self, leaving: bool, request: int = 0, dirty: bool = False) -> Vote:
         """All-gather this member's vote. Raises MembershipChanged when the ring changed (the
         step must not be applied yet: see :meth:`resync`) and ReplicaDivergenceError when members
-        disagree on the committed step count."""
+        disagree on the committed step count. ``request``: a sync-mode code this member asks for
+        (0: none); the lowest rank's non-zero request is the agreed one. ``dirty``: this member's
+        replica may differ from its peers'."""
         ring = self.ring
         n, ids = ring.size, list(ring.membership.ids)
-        info = torch.tensor([1, self.committed, int(leaving), ring.joiners_waiting], dtype=torch.int64)
-        out = torch.empty(n * 4, dtype=torch.int64)
+        info = torch.tensor([1, self.committed, int(leaving), ring.joiners_waiting, request, int(dirty)],
+                            dtype=torch.int64)
+        out = torch.empty(n * 6, dtype=torch.int64)
         ring.all_gather(out, info)
-        rows = out.view(n, 4)
+        rows = out.view(n, 6)
         if bool((rows[:, 1] != self.committed).any()):
             raise ReplicaDivergenceError(
                 f"committed step counts differ at epoch {ring.epoch}: "
                 f"{dict(zip(ids, rows[:, 1].tolist(), strict=True))}")
-        return Vote(n, [ids[r] for r in range(n) if rows[r, 2]], int(rows[:, 3].sum()))
+        requests = [int(r) for r in rows[:, 4].tolist() if r]
+        return Vote(n, [ids[r] for r in range(n) if rows[r, 2]], int(rows[:, 3].sum()),
+                    requests[0] if requests else 0, bool(rows[:, 5].any()),
+                    [r for r in range(n) if rows[r, 2]])
 
     def resync(self, *, voted: bool, joiner: bool, capture: Callable[[], list[torch.Tensor]],
                adopt: Callable[[Any], None], timeout_s: float, behind_may_adopt: bool = False,
                before_send: Callable[[], None] | None = None, coll_done: int = 0,
-               coll_last: Callable[[], torch.Tensor] | None = None) -> Resync:
+               coll_last: Callable[[], torch.Tensor] | None = None, mode: int = 0) -> Resync:
         """Agree on committed state after a membership change (see the module doc). ``voted``:
         this member voted in the step it is discarding; ``joiner``: it has no state yet.
         ``capture()`` (donor) packs the state (:func:`packing.pack`), ``adopt(state)`` (receiver)
@@ -134,12 +148,13 @@ class StepCommitter:
         the last one's result (``coll_last()`` of a member that completed it) in ``served``.
         ``behind_may_adopt``: members behind receive state too (manual optimization, where a
         discarded step was rolled back and cannot be applied locally); otherwise only joiners do.
+        ``mode``: this member's sync-mode code (the result's ``mode`` is the agreed one).
         Blocks until done; raises MembershipTimeoutError after ``timeout_s`` of repeated changes."""
         t0 = time.monotonic()
         while True:
             try:
                 return self._resync_once(voted, joiner, capture, adopt, t0, behind_may_adopt, before_send,
-                                         coll_done, coll_last)
+                                         coll_done, coll_last, mode)
             except MembershipChanged as exc:
                 if time.monotonic() - t0 > timeout_s:
                     raise MembershipTimeoutError(
@@ -150,15 +165,15 @@ class StepCommitter:
     def _resync_once(self, voted: bool, joiner: bool, capture: Callable[[], list[torch.Tensor]],
                      adopt: Callable[[Any], None], t0: float, behind_may_adopt: bool,
                      before_send: Callable[[], None] | None, coll_done: int,
-                     coll_last: Callable[[], torch.Tensor] | None) -> Resync:
+                     coll_last: Callable[[], torch.Tensor] | None, mode: int) -> Resync:
         ring = self.ring
         n, me = ring.size, ring.rank
         reliable = int(ring.me.tier == "reliable")
-        info = torch.tensor([-1 if joiner else self.committed, int(voted), reliable, int(joiner),
+        info = torch.tensor([-1 if joiner else self.committed, int(voted), reliable, int(joiner), mode,
                              -1 if joiner else coll_done], dtype=torch.int64)
-        out = torch.empty(n * 5, dtype=torch.int64)
+        out = torch.empty(n * 6, dtype=torch.int64)
         ring.all_gather(out, info)
-        rows = out.view(n, 5).tolist()
+        rows = out.view(n, 6).tolist()
         served = self._serve(rows, coll_last)
         top = max(r[0] for r in rows)
         if top < 0:
@@ -216,23 +231,25 @@ class StepCommitter:
             outcome = "commit"
         else:
             outcome = "retry"
-        return Resync(outcome, donor, len(needy), nbytes, (time.monotonic() - t0) * 1e3, ring.epoch, phases, served)
+        agreed = next(r[4] for r in rows if r[0] == top)
+        return Resync(outcome, donor, len(needy), nbytes, (time.monotonic() - t0) * 1e3, ring.epoch, phases, agreed,
+                      served)
 
     def _serve(self, rows: list[list[int]], coll_last: Callable[[], torch.Tensor] | None) -> torch.Tensor | None:
         """If some members completed one more collective outside steps than others (a change hit
         its last hop), the lowest such member broadcasts that collective's result; returns it to
         the members that had not completed it (None to everyone else)."""
         ring, me = self.ring, self.ring.rank
-        counts = [r[4] for r in rows if r[3] == 0]
+        counts = [r[5] for r in rows if r[3] == 0]
         if not counts or max(counts) == min(counts):
             return None
         if max(counts) - min(counts) > 1:
             raise ReplicaDivergenceError(f"collective counts differ by more than one at epoch {ring.epoch}: {rows}")
-        src = min(i for i, r in enumerate(rows) if r[3] == 0 and r[4] == max(counts))
+        src = min(i for i, r in enumerate(rows) if r[3] == 0 and r[5] == max(counts))
         blob = coll_last() if me == src and coll_last is not None else torch.empty(0, dtype=torch.uint8)
         size = torch.tensor([blob.numel()], dtype=torch.int64)
         ring.broadcast(size, src)
         buf = blob if me == src else torch.empty(int(size.item()), dtype=torch.uint8)
         if buf.numel():
             ring.broadcast(buf, src)
-        return buf if rows[me][3] == 0 and rows[me][4] == min(counts) else None
+        return buf if rows[me][3] == 0 and rows[me][5] == min(counts) else None

@@ -49,7 +49,7 @@ class ManualSteps:
                 self._restore(snap)
                 res = self._recover(d)
                 if res.outcome == "adopted":  # a peer finished this step: its state (and count) is ours now
-                    self._after_commit(Vote(self.world_size), advance=False, verify=False)
+                    self._after_commit(Vote(self.world_size), advance=False, post=False)
                     return None
                 self.counters.retried_steps += 1
                 self._rebuild_step(None, None)

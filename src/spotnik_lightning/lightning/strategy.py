@@ -53,6 +53,7 @@ from spotnik_lightning.lightning.loader import ElasticLoader
 from spotnik_lightning.lightning.manual import ManualSteps
 from spotnik_lightning.lightning.metrics import SpotnikMetrics
 from spotnik_lightning.lightning.settings import open_membership_store, resolve
+from spotnik_lightning.lightning.syncing import SyncModes
 from spotnik_lightning.lightning.verify import replica_hash
 from spotnik_lightning.ring.backend.lifecycle import _close_ring, _track
 from spotnik_lightning.ring.group import RingGroup
@@ -61,7 +62,7 @@ from spotnik_lightning.sync.reducer import GradientReducer
 log = logging.getLogger("spotnik.lightning")
 
 
-class SpotnikStrategy(MembershipHandling, ManualSteps, RingCollectives, ParallelStrategy):
+class SpotnikStrategy(MembershipHandling, ManualSteps, RingCollectives, SyncModes, ParallelStrategy):
     """Data-parallel CPU training on a self-repairing ring (``Trainer(strategy="spotnik")``).
 
     Args (all optional; the environment set by the launcher fills the rest, see :mod:`.settings`):
@@ -80,6 +81,9 @@ class SpotnikStrategy(MembershipHandling, ManualSteps, RingCollectives, Parallel
         atomic: ``False`` applies each step as soon as its gradients are reduced, without the commit
             vote ("pipelined" commit, for comparison only: a member may then apply a step the others
             discard, so replicas can diverge after a failure).
+        sync: ``"ssgd"`` (default), ``"sma"`` (local steps, models averaged every ``sma_period``
+            steps) or ``"adpsgd"`` (local steps, pairwise averaging with a random peer); switch at
+            run time with :meth:`request_sync` (see :mod:`.syncing` and docs/lightning.md).
 
     Raises ConfigError at setup without a distributed launch, on a non-CPU accelerator, with
     manual optimization, or with an unsupported training DataLoader; BackendConnectionError when
@@ -94,8 +98,9 @@ class SpotnikStrategy(MembershipHandling, ManualSteps, RingCollectives, Parallel
                  heartbeat_timeout_ms: int | None = None, timeouts: RingTimeouts | None = None,
                  batch_policy: str = "per_worker", global_batch: int | None = None, lr_scaling: bool = False,
                  seed: int = 0, bucket_mb: float = 25.0, verify_replicas: bool = False, atomic: bool = True,
-                 **kwargs: Any) -> None:
+                 sync: str = "ssgd", sma_period: int = 4, **kwargs: Any) -> None:
         super().__init__(**kwargs)
+        self._init_sync(sync, sma_period)
         if batch_policy not in ("per_worker", "global"):
             raise ConfigError(f"batch_policy must be 'per_worker' or 'global', got {batch_policy!r}")
         if batch_policy == "global" and (global_batch is None or global_batch < 1):
@@ -216,6 +221,8 @@ class SpotnikStrategy(MembershipHandling, ManualSteps, RingCollectives, Parallel
 
     def setup(self, trainer: pl.Trainer) -> None:
         self._manual = not trainer.lightning_module.automatic_optimization
+        if self._manual and self._sync != "ssgd":
+            raise ConfigError(f"sync={self._sync!r} needs automatic optimization (manual steps use ssgd)")
         super().setup(trainer)
         if trainer.state.fn != TrainerFn.FITTING:
             return
@@ -337,7 +344,7 @@ class SpotnikStrategy(MembershipHandling, ManualSteps, RingCollectives, Parallel
                 if res.outcome == "commit":
                     out = self.precision_plugin.optimizer_step(optimizer, model=model, closure=lambda d=d: d.loss,
                                                                **kwargs)
-                    self._after_commit(Vote(self.world_size), verify=False)  # the others verified already
+                    self._after_commit(Vote(self.world_size), post=False)  # the others are past this step
                     return out
                 self.counters.retried_steps += 1
                 self._rebuild_step(closure, optimizer)
@@ -353,18 +360,25 @@ class SpotnikStrategy(MembershipHandling, ManualSteps, RingCollectives, Parallel
 
         def run() -> Any:
             self._vote = None
-            self._reducer.arm(weight)
-            try:
+            self._step_sync = self._sync
+            if self._sync == "ssgd":
+                self._reducer.arm(weight)
+                try:
+                    loss = closure()
+                finally:
+                    err = self._reducer.finish()
+                if err is not None:
+                    raise StepDiscarded(err, voted=False, loss=loss)
+            else:  # model-averaging modes: the local gradient of this member's slice
                 loss = closure()
-            finally:
-                err = self._reducer.finish()
-            if err is not None:
-                raise StepDiscarded(err, voted=False, loss=loss)
+                if not weight:  # no samples of the plan (a stand-in sample): no local update
+                    self.lightning_module.zero_grad(set_to_none=True)
             self._faults.at("vote", self._committer.committed)
             if not self.atomic:
                 return loss
             try:
-                self._vote = self._committer.vote(leaving=self._leave_requested)
+                self._vote = self._committer.vote(leaving=self._leave_requested, request=self._request_code(),
+                                                  dirty=self._dirty)
             except MembershipChanged as exc:
                 raise StepDiscarded(exc, voted=True, loss=loss) from None
             return loss
@@ -388,39 +402,53 @@ class SpotnikStrategy(MembershipHandling, ManualSteps, RingCollectives, Parallel
                 with self._reducer.disarmed():
                     closure()
 
-    def _after_commit(self, vote: Vote, advance: bool = True, verify: bool = True) -> None:
-        """Book a committed step: count it, advance the cursor, verify replicas (normal path only:
-        a member that caught up in a resync must not start a collective the others are past),
-        tell the listeners, and act on the vote's joiners / leavers."""
+    def _after_commit(self, vote: Vote, advance: bool = True, post: bool = True) -> None:
+        """Book a committed step: count it, advance the cursor, run the post-step work (model
+        averaging, replica check), tell the listeners, act on the vote's joiners / leavers.
+        ``post=False``: the step was applied inside a recovery (the other members are past it): no
+        ring operation here — the next one is theirs too; the replica hash is computed locally."""
         assert self._committer is not None and self._loader is not None and self.ring is not None
+        resyncs = len(self.counters.resyncs)
         if advance:
             self._committer.committed += 1
         done = self._loader.commit_step()
         epoch, rank, world = done[-1].view if done else self._view()  # the membership the step committed on
         members = list(self.ring.membership.ids)
+        check = self._post_step(vote, collectives=post)
         digest = None
-        if self.verify_replicas:  # a member that caught up reports its hash without the all-gather
-            digest = self._verify() if verify else replica_hash(self.lightning_module, self.optimizers)
+        if self.verify_replicas and check:
+            digest = self._verify(params_only=check == "params", leaving=vote.leaving) if post else replica_hash(
+                self.lightning_module, self.optimizers)
         if self.commit_listeners:
             info = CommitInfo(self._committer.committed, epoch, rank, world, members, [e.plan.to_list() for e in done],
                               [i for e in done if e.counted for i in e.indices], self._attempts + 1, digest)
             for fn in self.commit_listeners:
                 fn(info)
-        if vote.joiners:
+        if vote.joiners and len(self.counters.resyncs) == resyncs:
+            # (after a resync here, members that caught up never saw this vote: the leader flags
+            # the joiners again in the next one)
             self._admit_next = True
+        if vote.leaving and post and digest is None:
+            self._departure_barrier(vote.leaving)
         if vote.leaving:
             if self.ring.member_id in vote.leaving:
                 self._leave()
             else:
                 self._await_departure(vote.leaving)
 
-    def _verify(self) -> str:
-        digest = replica_hash(self.lightning_module, self.optimizers)
+    def _verify(self, params_only: bool = False, leaving: list[str] | None = None) -> str:
+        """All-gather the replica hash and compare. A membership change met here makes the member
+        resync at once (after a vote with ``leaving`` members it is their departure)."""
+        digest = replica_hash(self.lightning_module, [] if params_only else self.optimizers)
         mine = torch.tensor(list(bytes.fromhex(digest)), dtype=torch.uint8)
         try:
             out = torch.empty(self.ring.size * mine.numel(), dtype=torch.uint8)
             self.ring.all_gather(out, mine)
         except MembershipChanged as exc:  # resync at once: the others meet it in their next operation
+            if leaving:  # the leavers' departure (a leaver goes on to leave)
+                if self.ring.member_id not in leaving:
+                    self._saw_departure(leaving, exc)
+                return digest
             self._note_change(exc)
             self._resync(voted=False, joiner=False)
             return digest
