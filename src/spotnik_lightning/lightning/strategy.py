@@ -416,9 +416,11 @@ class SpotnikStrategy(MembershipHandling, ManualSteps, RingCollectives, SyncMode
         members = list(self.ring.membership.ids)
         check = self._post_step(vote, collectives=post)
         digest = None
-        if self.verify_replicas and check:
-            digest = self._verify(params_only=check == "params", leaving=vote.leaving) if post else replica_hash(
-                self.lightning_module, self.optimizers)
+        if self.verify_replicas:
+            if post and check:
+                digest = self._verify(params_only=check == "params", leaving=vote.leaving)
+            elif not post and self._step_sync == "ssgd" and not vote.dirty:  # caught up: hash, no all-gather
+                digest = replica_hash(self.lightning_module, self.optimizers)
         if self.commit_listeners:
             info = CommitInfo(self._committer.committed, epoch, rank, world, members, [e.plan.to_list() for e in done],
                               [i for e in done if e.counted for i in e.indices], self._attempts + 1, digest)

@@ -123,6 +123,9 @@ class SyncModes:
         ran, step = self._step_sync, self._committer.committed
         if ran != "ssgd":
             self._dirty = True
+        if vote.request:  # before any ring operation: a resync met in one reports the agreed new mode
+            self._sync_request = None
+            self._set_sync(NAMES[vote.request], "vote")
         check: str | None = "full" if ran == "ssgd" and not vote.dirty else None
         ok = collectives
         # Leavers depart right after this commit and the others observe that in the departure
@@ -139,9 +142,6 @@ class SyncModes:
                         raise err
             except MembershipChanged as exc:
                 ok = average = self._observed_in_post_step(exc)
-        if vote.request:
-            self._sync_request = None
-            self._set_sync(NAMES[vote.request], "vote")
         if self._sync == "ssgd" and (vote.dirty or ran != "ssgd"):
             check = None
             if average:
