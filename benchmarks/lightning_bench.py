@@ -55,8 +55,8 @@ def _run(url: str, n: int, entry: str, timeout: float = 900, faults: dict[int, s
         return ends, c.of("commit")
 
 
-def _median_step(ends: dict[str, dict], skip: int = 3) -> float:
-    per = [statistics.median(e["step_times"][skip:] or e["step_times"]) for e in ends.values()]
+def _median_step(ends: dict[str, dict], skip: int = 3, key: str = "step_times") -> float:
+    per = [statistics.median(e[key][skip:] or e[key]) for e in ends.values() if e.get(key)]
     return statistics.median(per)
 
 
@@ -71,11 +71,17 @@ def bench_step(args: argparse.Namespace, url: str) -> dict:
             ours, _c = _run(url, args.workers, "run", **cfg)
             theirs, _c = _run(url, args.workers, "run_ddp", **cfg)
             rows.append({"spotnik_s": _median_step(ours), "ddp_s": _median_step(theirs),
+                         "spotnik_period_s": _median_step(ours, key="step_periods"),
+                         "ddp_period_s": _median_step(theirs, key="step_periods"),
+                         "spotnik_cpu_s": _median_step(ours, key="step_cpu"),
+                         "ddp_cpu_s": _median_step(theirs, key="step_cpu"),
                          "spotnik_rss_mb": max(e["rss_mb"] for e in ours.values()),
                          "ddp_rss_mb": max(e["rss_mb"] for e in theirs.values())})
         res = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
         res["step_time_ratio"] = res["spotnik_s"] / res["ddp_s"]
         res["rss_ratio"] = res["spotnik_rss_mb"] / res["ddp_rss_mb"]
+        res["period_ratio"] = res["spotnik_period_s"] / res["ddp_period_s"]
+        res["cpu_ratio"] = res["spotnik_cpu_s"] / res["ddp_cpu_s"]
         res["runs"] = rows
         out[model] = res
         print(json.dumps({model: res}), flush=True)

@@ -196,9 +196,14 @@ def _aggregate(n: int, sizes: list[int], reports: list[dict]) -> list[dict]:
             row[f"{b}_busbw_gbps"] = round(size * 2 * (n - 1) / n / t_op / 1e9, 4)
             row[f"{b}_rounds_ms"] = [round(t / per[0]["iters"] * 1e3, 3) for t in block]
             row[f"{b}_best_busbw_gbps"] = round(size * 2 * (n - 1) / n / (min(block) / per[0]["iters"]) / 1e9, 4)
+            # CPU time one op costs a worker (median over ranks and rounds): on a machine with fewer
+            # cores than workers this, not the wall time, is what the op takes from training
+            row[f"{b}_cpu_ms"] = round(statistics.median(
+                c for p in per for c in p.get("cpu", {}).get(b, [float("nan")])) / per[0]["iters"] * 1e3, 3)
         row["ratio"] = round(row["spotnik_busbw_gbps"] / row["gloo_busbw_gbps"], 4)
         # best round of each backend: less sensitive to a loaded machine than the median
         row["ratio_best"] = round(row["spotnik_best_busbw_gbps"] / row["gloo_best_busbw_gbps"], 4)
+        row["cpu_ratio"] = round(row["spotnik_cpu_ms"] / row["gloo_cpu_ms"], 4)
         row["goal"] = goal_for(n)
         row["meets_goal"] = row["ratio"] >= row["goal"]
         row["rss_setup_mib"] = max(p["rss_setup_mib"] for p in per)
@@ -307,18 +312,20 @@ def _worker(args: argparse.Namespace) -> int:
                     t.uniform_(-1, 1)
                 peaks[b] = _peak_kib(resettable)
             blocks: dict[str, list[float]] = {b: [] for b in BACKENDS}
+            cpu: dict[str, list[float]] = {b: [] for b in BACKENDS}  # process CPU time (all threads)
             for rnd in range(args.rounds):
                 for b in (BACKENDS if rnd % 2 == 0 else BACKENDS[::-1]):
                     t.uniform_(-1, 1)  # keep values finite: sum grows by n per op
                     if resettable:
                         _reset_peak()
                     dist.barrier()
-                    t0 = time.perf_counter()
+                    t0, c0 = time.perf_counter(), time.process_time()
                     for _ in range(args.iters):
                         ops[b](t)
                     blocks[b].append(time.perf_counter() - t0)
+                    cpu[b].append(time.process_time() - c0)
                     peaks[b] = max(peaks[b], _peak_kib(resettable))
-            results.append({"size_bytes": size, "iters": args.iters, "blocks": blocks,
+            results.append({"size_bytes": size, "iters": args.iters, "blocks": blocks, "cpu": cpu,
                             "rss_setup_mib": round(setup_kib / 1024, 1),
                             "rss_baseline_mib": round(baseline / 1024, 1),
                             "rss_peak_mib": {b: round(v / 1024, 1) for b, v in peaks.items()},

@@ -9,6 +9,7 @@ indices trained on, attempts, replica hash), ``done`` (final parameter hash and 
 
 from __future__ import annotations
 
+import resource
 import time
 from typing import Any
 
@@ -78,17 +79,33 @@ class Bench(pl.LightningModule):
 
 
 class StepTimer(pl.Callback):
-    """Wall time of every training batch (start to end of ``on_train_batch_*``)."""
+    """Wall time of every training batch (start to end of ``on_train_batch_*``), the process CPU
+    time (all threads) spent in it, and the period from one batch start to the next (which also
+    covers data loading and everything Lightning does between batches)."""
 
     def __init__(self) -> None:
         self.times: list[float] = []
-        self._t = 0.0
+        self.cpu: list[float] = []
+        self.periods: list[float] = []
+        self.faults: list[int] = []  # minor page faults
+        self.sys: list[float] = []  # kernel CPU time
+        self._t = self._c = 0.0
+        self._f, self._s = 0, 0.0
 
     def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
-        self._t = time.perf_counter()
+        now = time.perf_counter()
+        if self._t:
+            self.periods.append(now - self._t)
+        self._t, self._c = now, time.process_time()
+        ru = resource.getrusage(resource.RUSAGE_SELF)
+        self._f, self._s = ru.ru_minflt, ru.ru_stime
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
         self.times.append(time.perf_counter() - self._t)
+        self.cpu.append(time.process_time() - self._c)
+        ru = resource.getrusage(resource.RUSAGE_SELF)
+        self.faults.append(ru.ru_minflt - self._f)
+        self.sys.append(ru.ru_stime - self._s)
 
 
 def _rss_mb() -> float:
@@ -207,7 +224,8 @@ def run_ddp(cfg: dict) -> int:
     started = time.time()
     trainer.fit(model, train)
     emit(ev="done", id=cfg["id"], step=trainer.global_step, epoch=trainer.current_epoch, wall_s=time.time() - started,
-         step_times=timer.times, rss_mb=_rss_mb(),
+         step_times=timer.times, step_cpu=timer.cpu, step_periods=timer.periods, step_faults=timer.faults,
+         step_sys=timer.sys, rss_mb=_rss_mb(),
          hash=replica_hash(model, trainer.optimizers),
          params=_dump(model, cfg))
     return 0
@@ -281,7 +299,8 @@ def run(cfg: dict) -> int:
     emit(ev="done", id=cfg["id"], step=trainer.global_step, epoch=trainer.current_epoch,
          hash=replica_hash(model, trainer.optimizers), changes=strategy.counters.changes,
          retried=strategy.counters.retried_steps, joins=strategy.counters.joins, leaves=strategy.counters.leaves,
-         resyncs=strategy.counters.resyncs, wall_s=time.time() - started, step_times=timer.times, rss_mb=_rss_mb(),
+         resyncs=strategy.counters.resyncs, wall_s=time.time() - started, step_times=timer.times, step_cpu=timer.cpu,
+         step_periods=timer.periods, step_faults=timer.faults, step_sys=timer.sys, rss_mb=_rss_mb(),
          lr=trainer.optimizers[0].param_groups[0]["lr"],
          metrics={k: float(v) for k, v in trainer.progress_bar_metrics.items() if k.startswith("spotnik/")},
          params=_dump(model, cfg), sync=strategy.sync_mode, switches=strategy.sync_switches,

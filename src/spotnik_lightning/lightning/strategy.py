@@ -284,6 +284,13 @@ class SpotnikStrategy(MembershipHandling, ManualSteps, RingCollectives, SyncMode
         log.info("SIGTERM at %s: leaving after the current step", self.ring.member_id if self.ring else "?")
         self._leave_requested = True
 
+    def pre_backward(self, closure_loss: torch.Tensor) -> None:
+        """Lightning calls this after the forward and ``zero_grad``: where DDP's gradients are
+        freed, so is the previous step's autograd memory (see :meth:`GradientReducer.release`)."""
+        super().pre_backward(closure_loss)
+        if self._reducer is not None:
+            self._reducer.release()
+
     # ------------------------------------------------------------------ per step
     def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
