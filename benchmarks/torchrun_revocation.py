@@ -22,7 +22,6 @@ import argparse
 import json
 import os
 import shutil
-import signal
 import socket
 import statistics
 import subprocess
@@ -33,7 +32,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-import psutil
+from spotnik_lightning.bench import json_events, kill_tree
 
 ROOT = Path(__file__).resolve().parents[1]
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
@@ -81,13 +80,7 @@ class Node:
 
     def _read(self) -> None:
         assert self.proc.stdout is not None
-        for raw in self.proc.stdout:
-            try:
-                msg = json.loads(raw)
-            except ValueError:
-                continue
-            if not isinstance(msg, dict):
-                continue
+        for msg in json_events(self.proc.stdout):
             msg["node"] = self.name
             self.lines.append(msg)
             if msg.get("ev") == "commit":
@@ -95,16 +88,7 @@ class Node:
 
     def kill(self) -> None:
         """SIGKILL the agent and every process below it (by PID), all at once."""
-        try:
-            procs = [psutil.Process(self.proc.pid)]
-            procs += procs[0].children(recursive=True)
-        except psutil.NoSuchProcess:
-            return
-        for p in procs:
-            try:
-                p.send_signal(signal.SIGKILL)
-            except psutil.NoSuchProcess:
-                pass
+        kill_tree(self.proc.pid)
         self.proc.wait(10)
 
 

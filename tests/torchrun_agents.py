@@ -4,7 +4,6 @@ examples/torchrun_train.py and read the JSON lines their workers print (importab
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -14,6 +13,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import psutil
+
+from spotnik_lightning.bench import json_events, kill_tree
 
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 TRAIN = str(Path(__file__).resolve().parents[1] / "examples" / "torchrun_train.py")
@@ -35,6 +36,14 @@ def agent_env(secret: str) -> dict[str, str]:
             "OMP_NUM_THREADS": "1"}
 
 
+def _runs_train(pid: int) -> bool:
+    """A worker that outlived its agent is still ours only if it runs our training script."""
+    try:
+        return TRAIN in psutil.Process(pid).cmdline()
+    except psutil.Error:
+        return False
+
+
 class Agent:
     """One torchrun agent (started by ``start(argv, stdout=PIPE, stderr=file)``) and the JSON
     lines of its workers, collected by a reader thread."""
@@ -52,12 +61,8 @@ class Agent:
 
     def _read(self) -> None:
         assert self.proc.stdout is not None
-        for raw in self.proc.stdout:
-            try:
-                msg = json.loads(raw)
-            except ValueError:
-                continue  # torchrun itself may print to stdout
-            if isinstance(msg, dict) and "ev" in msg:
+        for msg in json_events(self.proc.stdout):  # (torchrun itself may print to stdout)
+            if "ev" in msg:
                 with self._lock:
                     self.lines.append(msg)
 
@@ -77,23 +82,7 @@ class Agent:
     def kill(self) -> None:
         """SIGKILL the agent and every process below it, by PID (torchrun puts each worker in a
         session of its own, so a process-group kill would miss them). Waits for the agent."""
-        try:
-            procs = [psutil.Process(self.proc.pid)]
-            procs += procs[0].children(recursive=True)
-        except psutil.NoSuchProcess:
-            procs = []
-        for pid in self.worker_pids():  # workers that outlived their agent (still ours: same script)
-            try:
-                p = psutil.Process(pid)
-                if TRAIN in p.cmdline():
-                    procs.append(p)
-            except psutil.Error:
-                pass
-        for p in procs:
-            try:
-                p.kill()
-            except psutil.NoSuchProcess:
-                pass
+        kill_tree(self.proc.pid, [pid for pid in self.worker_pids() if _runs_train(pid)])
         self.proc.wait(10)
 
     def wait(self, timeout: float) -> int | None:

@@ -9,8 +9,9 @@ The submodules are imported lazily by the CLI; this package holds only the helpe
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable, Iterator
 
-__all__ = ["format_size", "parse_size", "parse_sizes"]
+__all__ = ["format_size", "json_events", "kill_tree", "parse_size", "parse_sizes"]
 
 _UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30,
           "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "kb": 1000, "mb": 1000**2, "gb": 1000**3}
@@ -47,3 +48,39 @@ def format_size(nbytes: int) -> str:
         if nbytes >= scale and nbytes % scale == 0:
             return f"{nbytes // scale}{unit}"
     return f"{nbytes}B"
+
+
+def json_events(lines: Iterable[bytes | str]) -> Iterator[dict]:
+    """The JSON objects among ``lines`` (a child's stdout), in order; other lines (a launcher's own
+    output, partial writes) are skipped. Blocks on ``lines``; ends when they do."""
+    import json
+
+    for raw in lines:
+        try:
+            msg = json.loads(raw)
+        except ValueError:
+            continue
+        if isinstance(msg, dict):
+            yield msg
+
+
+def kill_tree(pid: int, also: Iterable[int] = ()) -> None:
+    """SIGKILL process ``pid``, all its descendants and the processes ``also`` (by PID, e.g. workers
+    in sessions of their own that may have outlived their parent). Gone processes are skipped."""
+    import psutil
+
+    try:
+        procs = [psutil.Process(pid)]
+        procs += procs[0].children(recursive=True)
+    except psutil.NoSuchProcess:
+        procs = []
+    for extra in also:
+        try:
+            procs.append(psutil.Process(extra))
+        except psutil.NoSuchProcess:
+            pass
+    for p in procs:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass

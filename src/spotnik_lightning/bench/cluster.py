@@ -24,6 +24,8 @@ import time
 import traceback
 from collections.abc import Callable
 
+from spotnik_lightning.bench import json_events
+
 
 def _entry(spec: str) -> Callable[[dict], int]:
     module, _, fn = spec.partition(":")
@@ -119,11 +121,7 @@ class LocalCluster:
 
     def _read(self) -> None:
         assert self.proc.stdout is not None
-        for raw in self.proc.stdout:
-            try:
-                ev = json.loads(raw)
-            except ValueError:
-                continue
+        for ev in json_events(self.proc.stdout):
             with self._cv:
                 self.events.append(ev)
                 if ev["ev"] == "spawned":
