@@ -75,6 +75,10 @@ def bench_step(args: argparse.Namespace, url: str) -> dict:
                          "ddp_period_s": _median_step(theirs, key="step_periods"),
                          "spotnik_cpu_s": _median_step(ours, key="step_cpu"),
                          "ddp_cpu_s": _median_step(theirs, key="step_cpu"),
+                         "spotnik_sys_s": _median_step(ours, key="step_sys"),
+                         "ddp_sys_s": _median_step(theirs, key="step_sys"),
+                         "spotnik_page_faults": _median_step(ours, key="step_faults"),
+                         "ddp_page_faults": _median_step(theirs, key="step_faults"),
                          "spotnik_rss_mb": max(e["rss_mb"] for e in ours.values()),
                          "ddp_rss_mb": max(e["rss_mb"] for e in theirs.values())})
         res = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
@@ -94,12 +98,19 @@ def bench_commit(args: argparse.Namespace, url: str) -> dict:
         cfg = dict(model=model, batch=1, n_data=args.workers * args.steps, epochs=1, verify=False, hb_ms=100,
                    hb_timeout_ms=5000, pace_s=0.0, quiet=True)
         rows = []
-        for _ in range(args.repeat):
-            atomic, _c = _run(url, args.workers, "run", atomic=True, **cfg)
-            pipelined, _c = _run(url, args.workers, "run", atomic=False, **cfg)
-            rows.append({"atomic_s": _median_step(atomic, 2), "pipelined_s": _median_step(pipelined, 2)})
+        for i in range(args.repeat):  # alternate which mode runs first: the machine drifts
+            got = {}
+            for atomic in ((True, False) if i % 2 == 0 else (False, True)):
+                ends, _c = _run(url, args.workers, "run", atomic=atomic, **cfg)
+                got["atomic_s" if atomic else "pipelined_s"] = _median_step(ends, 2)
+                got["atomic_cpu_s" if atomic else "pipelined_cpu_s"] = _median_step(ends, 2, key="step_cpu")
+            rows.append(got)
         res = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
         res["throughput_ratio"] = res["pipelined_s"] / res["atomic_s"]  # atomic throughput / pipelined
+        # each run pair's own ratio (pairs run back to back, so they share the machine's state)
+        res["pair_ratios"] = [round(r["pipelined_s"] / r["atomic_s"], 4) for r in rows]
+        res["pair_ratio_median"] = statistics.median(res["pair_ratios"])
+        res["cpu_ratio"] = res["atomic_cpu_s"] / res["pipelined_cpu_s"]
         res["runs"] = rows
         out[model] = res
         print(json.dumps({model: res}), flush=True)
