@@ -29,6 +29,7 @@ from spotnik_lightning.api import (
     BackendConnectionError,
     ConfigError,
     EpochFencedError,
+    FetchError,
     MembershipChanged,
     MembershipTimeoutError,
     ProtocolError,
@@ -42,6 +43,8 @@ from spotnik_lightning.ring.events import MembershipEvent
 from spotnik_lightning.ring.links import Monitor, OutLink, tune
 from spotnik_lightning.ring.ops import REDUCE_OPS, Op
 from spotnik_lightning.ring.repair import RepairMixin
+from spotnik_lightning.ring.serve import CHANNEL as SERVE_CHANNEL
+from spotnik_lightning.ring.serve import ServedCache
 from spotnik_lightning.ring.state import CLOSED, FENCED, JOINING, LEAVING, REPAIRING, RUNNING, STARTING
 from spotnik_lightning.ring.state import Interrupted as _Interrupted
 
@@ -110,6 +113,8 @@ class RingGroup(RepairMixin):
         self.events: list[MembershipEvent] = []
         self.listeners: list[Callable[[MembershipEvent], None]] = []
         self.messages_sent = 0
+        self._served = ServedCache(me.id, secret, run_id, chunk_bytes, timeouts.collective.total_seconds(),
+                                   timeouts.connect.total_seconds())
         self._init_repair_state()
         hb = timeouts.heartbeat_interval.total_seconds()
         self._monitor = Monitor(listener, udp, secret, hb, self._on_accept, self._on_heartbeat,
@@ -317,6 +322,42 @@ class RingGroup(RepairMixin):
         """Send ``send`` to ``peer`` and receive its tensor into ``recv`` concurrently (pairwise
         averaging for AD-PSGD); both sides call exchange with each other."""
         self._p2p(send=send, recv=recv, peer_rank=peer)
+
+    # ------------------------------------------------------------------ served snapshots (ring/serve.py)
+    def publish(self, name: str, tensors: torch.Tensor | list[torch.Tensor], version: int) -> int:
+        """Copy ``tensors`` (bytes concatenated in order) into this member's served cache as the
+        latest snapshot of ``name``, tagged ``version`` (e.g. the committed step). Local only: never
+        blocks on peers. Returns its size in bytes; raises ConfigError for a version going back."""
+        return self._served.publish(name, tensors, version)
+
+    def fetch(self, peer: int | str, name: str, out: torch.Tensor, min_version: int = -1,
+              timeout: float | None = None) -> int:
+        """Fill ``out`` (dense, as many bytes as the snapshot) with the latest snapshot of ``name``
+        that member ``peer`` (a rank of the current membership, or a member id) published, served by
+        the peer's ring I/O threads (its training thread is not involved), and return its version.
+        Not a collective: only this member calls it, and it never reports membership changes (the
+        next collective does). Blocks for at most ``timeout`` (default: the collective timeout) s
+        without progress. Raises FetchError — ``gone=True`` at once when the peer is not (or stops
+        being) a live member, dies or cannot be reached; ``gone=False`` when it has no snapshot of
+        that name, size and at least ``min_version`` — and RingBrokenError when this group is closed."""
+        with self._cv:
+            if self._state not in (RUNNING, REPAIRING):
+                raise self._error or RingBrokenError(f"ring is {self._state} (member {self.me.id})")
+            m = self._membership
+            if isinstance(peer, int):
+                self._check_rank(peer)
+                peer = m.members[peer].id
+            member = self._known.get(peer)
+        if peer == self.me.id:
+            return self._served.local(name, out, min_version)
+        if member is None or not self._live(peer):
+            raise FetchError(f"fetch {name!r} from {peer} at epoch {m.epoch}: not a live member", peer, m.epoch, True)
+        return self._served.fetch(member, name, out, min_version=min_version, epoch=m.epoch,
+                                  alive=lambda: self._live(peer), timeout=timeout)
+
+    def _live(self, peer: str) -> bool:
+        """``peer`` is a member of the current membership and not suspected (lock-free read)."""
+        return self._state in (RUNNING, REPAIRING) and peer in self._membership.ids and peer not in self._dead
 
     def _contiguous(self, tensor: torch.Tensor) -> torch.Tensor:
         """``tensor`` itself when its memory is one dense run, else a dense copy (the caller
@@ -566,6 +607,8 @@ class RingGroup(RepairMixin):
             self._inbound.setdefault(peer, []).append(sock)
         scratch = bytearray(64 << 10)
         try:
+            if hello.channel == SERVE_CHANNEL:  # request/reply, answered on this thread; never suspects
+                return self._served.serve(sock, peer, lambda p: p in self._membership.ids)
             while True:
                 raw = wire.recv_exact(sock, wire.HEADER.size)
                 kind, epoch, seq, idx, length = wire.unpack_header(raw, self.chunk_bytes)
@@ -786,6 +829,7 @@ class RingGroup(RepairMixin):
                 op.fail(self._error)
             self._cv.notify_all()
         self._ctrl_q.put(None)
+        self._served.close()
         if self._join_watch is not None:
             self._join_watch()
         self._monitor.stop()
