@@ -464,7 +464,7 @@ class SpotnikStrategy(MembershipHandling, ManualSteps, RingCollectives, SyncMode
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
         if self._loader is not None and self._committer is not None:
             checkpoint["spotnik"] = {"cursor": self._loader.cursor.state_dict(), "committed": self._committer.committed,
-                                     "world_seen": self._world_seen}
+                                     "world_seen": self._world_seen, **self._sync_state()}
         if self.is_global_zero:
             self.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
@@ -477,6 +477,7 @@ class SpotnikStrategy(MembershipHandling, ManualSteps, RingCollectives, SyncMode
             if self._committer is not None:
                 self._committer.committed = int(state["committed"])
             self._ckpt_world = int(state.get("world_seen", 0))
+            self._load_sync_state(state)
         return ckpt
 
     def remove_checkpoint(self, filepath: Any) -> None:
