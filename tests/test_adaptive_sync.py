@@ -125,6 +125,11 @@ def test_a_joiner_under_adpsgd_learns_the_mode(embedded_server) -> None:
         check_run(c, [*ids, "j0"], epochs=2)
         joined = [e for e in c.of("commit") if e["id"] == "j0"]
         assert joined and joined[0]["step"] < 22 and joined[0]["sync"] == "adpsgd"
+        # it prefetched a member's served model before registering: the donor sent the state without
+        # model and optimizer state (parameters 22 KB + momentum 22 KB; the rest — loops, RNG — ~13 KB)
+        adopted = next(r for e in c.of("done") if e["id"] == "j0" for r in e["resyncs"] if r["outcome"] == "adopted")
+        print("joiner resync", adopted)
+        assert adopted["bytes"] < 20_000, adopted
 
 
 def test_throughput_trigger_and_world_size_threshold_policies() -> None:

@@ -7,7 +7,8 @@
 * Versions: the latest publish is served, a version never goes back, ``min_version`` / name / size
   are checked, a fetch never sees a torn snapshot while the owner keeps publishing.
 * Hostile input on the serve channel is refused with a logged reason and loses nothing: the ring
-  keeps its membership (nobody is suspected) and the cache keeps serving.
+  keeps its membership (nobody is suspected) and the cache keeps serving. An authenticated
+  non-member (a joiner prefetching before it registers) is served.
 """
 
 from __future__ import annotations
@@ -284,16 +285,15 @@ def test_bad_requests_on_the_serve_channel_are_refused_and_lose_nothing(embedded
             assert _closed_by_peer(sock), f"{what}: connection left open"
             sock.close()
         assert sum("closing serve connection from m1" in r.getMessage() for r in caplog.records) == len(attacks)
-        # a member that is not in the membership gets a refusal (and a log line), not the model
-        sock = _serve_conn(owner, "intruder")
+        # an authenticated worker that is not (yet) a member — a joiner prefetching — is served
+        sock = _serve_conn(owner, "joiner")
         sock.sendall(_ctrl({"t": "get", "id": 9, "name": "model", "nbytes": 400, "min": -1}))
         sock.settimeout(5)
         kind, _, _, _, length = wire.unpack_header(wire.recv_exact(sock, wire.HEADER.size), 0)
         reply = wire.decode_ctrl(wire.recv_exact(sock, length))
         sock.close()
-        assert reply["t"] == "err" and reply["code"] == "member", reply
-        assert any("refusing fetch" in r.getMessage() and "intruder" in r.getMessage() for r in caplog.records)
-        assert owner._served.rejected == len(attacks) + 1
+        assert reply["t"] == "snap" and reply["version"] == 4, reply
+        assert owner._served.rejected == len(attacks)
         # nothing lost: same membership, nobody suspected, the cache still serves, collectives work
         assert [g.epoch for g in groups] == [1, 1, 1] and all(not g.events[1:] for g in groups)
         out.zero_()
@@ -306,3 +306,41 @@ def test_bad_requests_on_the_serve_channel_are_refused_and_lose_nothing(embedded
 def _ctrl(msg: dict) -> bytes:
     payload = wire.encode_ctrl(msg)
     return wire.pack_header(wire.KIND_CTRL, 1, 0, 0, len(payload)) + payload
+
+
+def test_a_joiner_prefetches_a_members_snapshot_before_registering(embedded_server) -> None:
+    run = f"pre-{uuid.uuid4().hex[:4]}"
+    gen = iter(_ring(embedded_server, 2, FAST, run=run))
+    groups = next(gen)
+    joiner: list[RingGroup] = []
+    try:
+        groups[0].publish("model", torch.arange(1000, dtype=torch.float32), 12)
+        out = torch.empty(1000)
+        served_before = groups[0]._served.served
+        t = threading.Thread(target=lambda: joiner.append(RingGroup.create(
+            open_store(embedded_server.url, run), member_id="j", timeouts=FAST, prefetch=("model", out))))
+        t.start()
+        deadline = time.monotonic() + 30
+        while not any(run_all(groups, lambda g: g.admit())):  # the members admit it at a step boundary
+            assert time.monotonic() < deadline, "the joiner was not admitted"
+            time.sleep(0.05)
+        t.join(10)
+        j = joiner[0]
+        assert j.prefetched == (12, groups[0].member_id) and torch.equal(out, torch.arange(1000.0))
+        assert groups[0]._served.served == served_before + 1 and j.size == 3
+        # nothing published anywhere: no prefetch, the join itself is unaffected
+        late: list[RingGroup] = []
+        t = threading.Thread(target=lambda: late.append(RingGroup.create(
+            open_store(embedded_server.url, run), member_id="k", timeouts=FAST, prefetch=("other", out))))
+        t.start()
+        deadline = time.monotonic() + 30
+        while not any(run_all([*groups, j], lambda g: g.admit())):
+            assert time.monotonic() < deadline, "the second joiner was not admitted"
+            time.sleep(0.05)
+        t.join(10)
+        assert late[0].prefetched is None and late[0].size == 4
+        joiner.extend(late)
+    finally:
+        for g in joiner:
+            g.close()
+        gen.close()

@@ -113,6 +113,7 @@ class RingGroup(RepairMixin):
         self.events: list[MembershipEvent] = []
         self.listeners: list[Callable[[MembershipEvent], None]] = []
         self.messages_sent = 0
+        self.prefetched: tuple[int, str] | None = None  # see create(prefetch=)
         self._served = ServedCache(me.id, secret, run_id, chunk_bytes, timeouts.collective.total_seconds(),
                                    timeouts.connect.total_seconds())
         self._init_repair_state()
@@ -133,12 +134,17 @@ class RingGroup(RepairMixin):
                host: str = "127.0.0.1", port: int = 0, advertise_host: str | None = None,
                tier: str = "transient", secret: bytes | str | None = None,
                timeouts: RingTimeouts | None = None, chunk_bytes: int = 4 << 20,
-               register_ttl: timedelta = timedelta(seconds=10)) -> RingGroup:
+               register_ttl: timedelta = timedelta(seconds=10),
+               prefetch: tuple[str, torch.Tensor] | None = None) -> RingGroup:
         """Bind the ring port, register in ``store`` and enter the ring.
 
         If the store holds no membership yet, the first ``world_size`` registered workers
         (reliable tier first, then registration order) found the ring at epoch 1; otherwise this
         worker joins the running ring and is admitted at the members' next ``admit()``.
+        ``prefetch=(name, out)``: a worker joining a running ring first fetches a member's latest
+        snapshot of ``name`` into ``out`` (reliable tier first, then rank order), *before* it
+        registers, so the transfer delays nobody; ``group.prefetched`` is then ``(version,
+        member id)``, or None when no member had one (best effort: never raises).
         Blocks until this worker is a member. Raises ConfigError for bad arguments,
         BackendConnectionError when the store is unreachable, MembershipTimeoutError when the
         bootstrap or join does not complete in time.
@@ -154,6 +160,8 @@ class RingGroup(RepairMixin):
         group = cls(store, me, run_id=store.run_id, secret=wire.load_secret(secret), timeouts=timeouts,
                     chunk_bytes=chunk_bytes, listener=listener, udp=udp, register_ttl=register_ttl)
         try:
+            if prefetch is not None:
+                group.prefetched = group._prefetch(*prefetch)
             store.register(me, register_ttl)
             group._enter(world_size)
         except BaseException:
@@ -354,6 +362,22 @@ class RingGroup(RepairMixin):
             raise FetchError(f"fetch {name!r} from {peer} at epoch {m.epoch}: not a live member", peer, m.epoch, True)
         return self._served.fetch(member, name, out, min_version=min_version, epoch=m.epoch,
                                   alive=lambda: self._live(peer), timeout=timeout)
+
+    def _prefetch(self, name: str, out: torch.Tensor) -> tuple[int, str] | None:
+        """Before registering: a running ring's member's latest ``name`` snapshot (see create)."""
+        current = self.store.get_membership()
+        if current is None or current.epoch == 0:
+            return None
+        for m in sorted(current.members, key=lambda m: m.tier != "reliable")[:2]:
+            self._known.setdefault(m.id, m)
+            try:
+                version = self._served.fetch(m, name, out, min_version=-1, epoch=current.epoch,
+                                             alive=lambda: self._state != CLOSED)
+            except FetchError as exc:
+                log.info("%s could not prefetch %r: %s", self.me.id, name, exc)
+                continue
+            return version, m.id
+        return None
 
     def _live(self, peer: str) -> bool:
         """``peer`` is a member of the current membership and not suspected (lock-free read)."""
@@ -608,7 +632,7 @@ class RingGroup(RepairMixin):
         scratch = bytearray(64 << 10)
         try:
             if hello.channel == SERVE_CHANNEL:  # request/reply, answered on this thread; never suspects
-                return self._served.serve(sock, peer, lambda p: p in self._membership.ids)
+                return self._served.serve(sock, peer)
             while True:
                 raw = wire.recv_exact(sock, wire.HEADER.size)
                 kind, epoch, seq, idx, length = wire.unpack_header(raw, self.chunk_bytes)

@@ -13,8 +13,10 @@ serve channel is the one channel where the acceptor writes after the handshake):
 * request (fetcher → owner): a control frame ``{"t": "get", "id", "name", "nbytes", "min"}``;
 * reply (owner → fetcher): a control frame ``{"t": "snap", "id", "version", "nbytes"}`` followed by
   the snapshot's bytes in data frames of at most ``chunk_bytes`` (seq = request id, index = piece),
-  or ``{"t": "err", "id", "code", "reason"}`` with code ``missing``, ``stale``, ``size`` or
-  ``member`` (the requester is not a member of the current membership).
+  or ``{"t": "err", "id", "code", "reason"}`` with code ``missing``, ``stale`` or ``size``.
+
+Any peer that passed the handshake may fetch — it proved it knows the job secret, like a worker
+asking to join (a joiner prefetches the model this way before it registers).
 
 A malformed, oversized or out-of-place frame closes that one connection with a logged warning; the
 cache, the ring and the owner's training are unaffected (the ring does not suspect anybody over a
@@ -139,7 +141,7 @@ class ServedCache:
             return "size", f"{name!r} has {snap.buf.numel()} bytes, {nbytes} asked for"
         return snap
 
-    def serve(self, sock: socket.socket, peer: str, is_member: Callable[[str], bool]) -> None:
+    def serve(self, sock: socket.socket, peer: str) -> None:
         """Answer ``peer``'s requests on ``sock`` until it closes (the inbound thread of an
         authenticated serve connection). Never raises: a bad frame or a stuck fetcher closes this
         connection with a logged reason. Each send is bounded by ``io_timeout``."""
@@ -152,7 +154,7 @@ class ServedCache:
                 if kind != wire.KIND_CTRL:
                     raise ProtocolError("data frame sent to the serve channel")
                 req = _parse_request(wire.decode_ctrl(wire.recv_exact(sock, length)))
-                self._answer(sock, peer, req, is_member)
+                self._answer(sock, req)
         except ProtocolError as exc:
             self.rejected += 1
             log.warning("closing serve connection from %s: %s", peer, exc)
@@ -161,18 +163,13 @@ class ServedCache:
         except (ConnectionError, OSError):
             pass  # the fetcher went away; nothing to clean up but the socket (the caller closes it)
 
-    def _answer(self, sock: socket.socket, peer: str, req: dict, is_member: Callable[[str], bool]) -> None:
+    def _answer(self, sock: socket.socket, req: dict) -> None:
         rid = req["id"]
-        member = is_member(peer)
         with self._lock:
-            snap = self._check(req["name"], req["nbytes"], req["min"]) if member else (
-                "member", f"{peer} is not a member of the owner's membership")
+            snap = self._check(req["name"], req["nbytes"], req["min"])
             if not isinstance(snap, tuple):
                 snap.readers += 1
         if isinstance(snap, tuple):
-            if snap[0] == "member":
-                self.rejected += 1
-                log.warning("refusing fetch of %r from %s: not a member of the current membership", req["name"], peer)
             _send_ctrl(sock, {"t": "err", "id": rid, "code": snap[0], "reason": snap[1]})
             return
         try:

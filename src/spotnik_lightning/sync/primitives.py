@@ -73,6 +73,21 @@ def publish_model(ring: RingGroup, tensors: Iterable[torch.Tensor], version: int
     return ring.publish(name, _snapshot_order(tensors), version)
 
 
+def snapshot_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """The size of :func:`publish_model`'s snapshot of ``tensors``."""
+    return sum(t.numel() * t.element_size() for t in _snapshot_order(tensors))
+
+
+def load_snapshot(tensors: Iterable[torch.Tensor], buf: torch.Tensor) -> None:
+    """Overwrite the floating tensors with a snapshot of the same layout (see :func:`publish_model`)."""
+    with torch.no_grad():
+        off = 0
+        for t in _snapshot_order(tensors):
+            n = t.numel() * t.element_size()
+            t.copy_(buf[off:off + n].view(t.dtype).view(t.shape))
+            off += n
+
+
 def average_with_snapshot(ring: RingGroup, tensors: Sequence[torch.Tensor], peer: int | str, min_version: int,
                           scratch: torch.Tensor | None = None, name: str = MODEL) -> tuple[int, torch.Tensor]:
     """``t ← (t + t_peer) / 2`` for every floating tensor, where ``t_peer`` is the latest snapshot
