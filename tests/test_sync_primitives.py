@@ -51,13 +51,15 @@ def test_average_all_and_one_sided_snapshot_averaging(embedded_server) -> None:
             assert torch.equal(ts[0], torch.full((3, 2), (r + peers[r]) / 2))
             assert torch.equal(ts[1], torch.arange(5, dtype=torch.float64) * (r + peers[r]) / 2)
             assert ts[2].item() == r
-        # too old for min_version: skipped, nothing changed, the peer is not dropped
+        # ADPSGD: each call publishes, averages with what the previous call started fetching, and
+        # starts fetching the next step's peer; a snapshot older than step - 2 is not used
         g = groups[0]
         before = [t.clone() for t in tensors[g.rank]]
         ad = ADPSGD()
-        peer, err = ad.after_step(g, tensors[g.rank], 20)  # publishes version 20; the peer's is 7
-        assert isinstance(err, FetchError) and not err.gone and "stale" in str(err)
-        assert not ad.dropped
+        assert ad.after_step(g, tensors[g.rank], 19) == (None, None)  # nothing fetched yet
+        peer, err = ad.after_step(g, tensors[g.rank], 20)  # the peer's snapshot is version 7
+        assert isinstance(err, FetchError) and not err.gone and "stale" in str(err) and peer == err.peer
+        assert not ad.dropped and ad.skipped == 1
         assert all(torch.equal(a, b) for a, b in zip(before, tensors[g.rank], strict=True))
         # a leaver is excluded: the three others form a cycle among themselves
         assert ADPSGD().peer(groups[1], 3, exclude=[groups[1].rank]) is None
@@ -75,20 +77,23 @@ def test_a_gone_peer_is_skipped_and_dropped_at_once(embedded_server) -> None:
     groups = next(gen)
     try:
         me, m1 = groups[0], groups[1]
-        m1._served.serve = lambda sock, peer, is_member: None  # closes each serve connection at once
+        m1._served.serve = lambda sock, peer: None  # closes each serve connection at once
         ad = ADPSGD()
-        step = next(s for s in range(100) if me.membership.ids[ad.peer(me, s)] == "m1")
+        step = next(s for s in range(100) if me.membership.ids[ad.peer(me, s + 1)] == "m1")
         for g in groups:
             publish_model(g, _state(g.rank), step)
         x = _state(me.rank)
-        peer, err = ad.after_step(me, x, step)
-        assert me.membership.ids[peer] == "m1"
-        assert isinstance(err, FetchError) and err.gone and err.peer == "m1" and "epoch 1" in str(err), err
-        assert ad.dropped == {"m1"} and torch.equal(x[0], torch.full((3, 2), float(me.rank)))  # untouched
-        for s in range(step + 1, step + 6):  # never m1 again in this epoch, and not retried
-            assert me.membership.ids[ad.peer(me, s)] == "m2"
+        assert ad.after_step(me, x, step) == (None, None)  # starts fetching m1's model for step + 1
         peer, err = ad.after_step(me, x, step + 1)
-        assert err is None and me.membership.ids[peer] == "m2" and ad.averaged == 1 and ad.skipped == 1
+        assert peer == "m1" and isinstance(err, FetchError) and err.gone and err.peer == "m1", err
+        assert "epoch 1" in str(err)
+        assert ad.dropped == {"m1"} and torch.equal(x[0], torch.full((3, 2), float(me.rank)))  # untouched
+        for s in range(step + 2, step + 7):  # never m1 again in this epoch, and not retried
+            assert me.membership.ids[ad.peer(me, s)] == "m2"
+        publish_model(groups[2], _state(groups[2].rank), step + 2)
+        peer, err = ad.after_step(me, x, step + 2)  # averages with m2's snapshot fetched since the last call
+        assert (peer, err) == ("m2", None) and ad.averaged == 1 and ad.skipped == 1
+        assert torch.equal(x[0], torch.full((3, 2), (me.rank + groups[2].rank) / 2))
         assert [g.epoch for g in groups] == [1, 1, 1]
     finally:
         gen.close()

@@ -88,6 +88,17 @@ def load_snapshot(tensors: Iterable[torch.Tensor], buf: torch.Tensor) -> None:
             off += n
 
 
+def average_snapshot(tensors: Sequence[torch.Tensor], buf: torch.Tensor) -> None:
+    """``t ← (t + t_snap) / 2`` for every floating tensor, with a snapshot of the same layout (see
+    :func:`publish_model`) in ``buf``."""
+    with torch.no_grad():
+        off = 0
+        for t in _snapshot_order(tensors):
+            n = t.numel() * t.element_size()
+            t.add_(buf[off:off + n].view(t.dtype).view(t.shape)).div_(2)
+            off += n
+
+
 def average_with_snapshot(ring: RingGroup, tensors: Sequence[torch.Tensor], peer: int | str, min_version: int,
                           scratch: torch.Tensor | None = None, name: str = MODEL) -> tuple[int, torch.Tensor]:
     """``t ← (t + t_peer) / 2`` for every floating tensor, where ``t_peer`` is the latest snapshot
@@ -95,15 +106,8 @@ def average_with_snapshot(ring: RingGroup, tensors: Sequence[torch.Tensor], peer
     ``min_version``. One-sided: only this member's tensors change, and the peer's training thread
     takes no part (its ring I/O threads serve the snapshot). Returns ``(version, buffer)``; pass the
     buffer back as ``scratch`` to reuse it. Raises FetchError (the tensors are then untouched)."""
-    order = _snapshot_order(tensors)
-    nbytes = sum(t.numel() * t.element_size() for t in order)
+    nbytes = snapshot_bytes(tensors)
     buf = scratch if scratch is not None and scratch.numel() == nbytes else torch.empty(nbytes, dtype=torch.uint8)
     version = ring.fetch(peer, name, buf, min_version=min_version)
-    with torch.no_grad():
-        off = 0
-        for t in order:
-            n = t.numel() * t.element_size()
-            theirs = buf[off:off + n].view(t.dtype).view(t.shape)
-            t.add_(theirs).div_(2)
-            off += n
+    average_snapshot(tensors, buf)
     return version, buf
