@@ -56,9 +56,12 @@ def test_each_mode_converges_and_replicas_stay_close(embedded_server, tmp_path: 
             assert spread == 0.0
             checked = {e["step"] for e in commits if e["hash"]}
             assert checked == set(range(3, 37, 3))
-        else:
+        else:  # 36 steps: every one after the first averages with a snapshot fetched during the step
             assert 0.0 < spread < 0.05
             assert not any(e["hash"] for e in commits)
+            gossip = [e["gossip"] for e in ends.values()]
+            print("gossip", gossip)
+            assert all(g["averaged"] + g["skipped"] == 35 and g["averaged"] >= 30 for g in gossip), gossip
 
 
 def _modes(c) -> dict[int, set[str]]:  # noqa: ANN001 - a LocalCluster
@@ -122,6 +125,11 @@ def test_a_joiner_under_adpsgd_learns_the_mode(embedded_server) -> None:
         check_run(c, [*ids, "j0"], epochs=2)
         joined = [e for e in c.of("commit") if e["id"] == "j0"]
         assert joined and joined[0]["step"] < 22 and joined[0]["sync"] == "adpsgd"
+        # it prefetched a member's served model before registering: the donor sent the state without
+        # model and optimizer state (parameters 22 KB + momentum 22 KB; the rest — loops, RNG — ~13 KB)
+        adopted = next(r for e in c.of("done") if e["id"] == "j0" for r in e["resyncs"] if r["outcome"] == "adopted")
+        print("joiner resync", adopted)
+        assert adopted["bytes"] < 20_000, adopted
 
 
 def test_throughput_trigger_and_world_size_threshold_policies() -> None:
@@ -159,3 +167,44 @@ def test_adaptive_callback_switches_on_world_size(embedded_server) -> None:
         assert by_step[first[0]][0]["world"] == 4 and by_step[first[-1] + 1][0]["world"] == 3
         ends = {e["id"]: e for e in c.of("done")}
         assert all(e["metrics"]["spotnik/sync"] == 1.0 and e["sync"] == "ssgd" for e in ends.values())
+
+
+def test_the_sync_mode_and_sma_period_are_checkpointed_and_resumed(embedded_server, tmp_path: Path) -> None:
+    """A job switches to SMA (k = 3) and is lost after its step-4 checkpoint; a new job started with
+    sync="ssgd", sma_period=5 resumes in SMA with k = 3 (averaging at steps 6 and 9: the phase is the
+    committed step count), then switches back to S-SGD with identical replicas."""
+    import signal as sig
+    import time
+
+    with cluster(embedded_server.url, sync="ssgd", sma_k=3, ckpt_dir=str(tmp_path), every_n_steps=4, pace_s=0.05,
+                 switch_at=[[2, "sma"]]) as c:
+        for i in range(3):
+            c.spawn(f"a{i}", world_size=3)
+        c.wait_for(lambda e: e["ev"] == "commit" and e["step"] == 6, 60, "step 6")
+        while not (tmp_path / "step=4.ckpt").exists():
+            time.sleep(0.05)
+        for i in range(3):
+            c.signal(f"a{i}", sig.SIGKILL)
+        assert _modes(c)[4] == {"sma"}
+    saved = torch.load(tmp_path / "step=4.ckpt", weights_only=False)["spotnik"]
+    assert saved["sync"] == "sma" and saved["sma_period"] == 3
+    with cluster(embedded_server.url, sync="ssgd", sma_k=5, resume=str(tmp_path / "step=4.ckpt"), pace_s=0.0,
+                 switch_at=[[9, "ssgd"]]) as c:
+        for i in range(2):
+            c.spawn(f"b{i}", world_size=2)
+        ends = finished(c, ["b0", "b1"])
+        assert {e["ev"] for e in ends.values()} == {"done"} and len({e["hash"] for e in ends.values()}) == 1
+        by_step: dict[int, list[dict]] = {}
+        for e in c.of("commit"):
+            by_step.setdefault(e["step"], []).append(e)
+        assert sorted(by_step) == list(range(5, max(by_step) + 1))
+        assert all(len({e["hash"] for e in evs}) == 1 for evs in by_step.values())
+        modes = _modes(c)  # a commit reports the mode after its step (the switch voted in step 10)
+        assert all(modes[s] == {"sma"} for s in range(5, 10)), modes
+        assert all(modes[s] == {"ssgd"} for s in range(10, max(modes) + 1)), modes
+        hashed = {s for s, evs in by_step.items() if evs[0]["hash"]}
+        assert {6, 9} <= hashed and not {5, 7, 8} & hashed, sorted(hashed)  # SMA checks at its averaging steps
+        assert set(range(10, max(by_step) + 1)) <= hashed
+        ends = {e["id"]: e for e in c.of("done")}
+        assert all(e["switches"][0]["reason"] == "checkpoint" and e["switches"][0]["to"] == "sma"
+                   for e in ends.values())

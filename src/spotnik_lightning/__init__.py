@@ -14,6 +14,7 @@ from spotnik_lightning.api import (
     ConfigError,
     EpochFencedError,
     FencedOut,
+    FetchError,
     MembershipChanged,
     MembershipTimeoutError,
     ProtocolError,
@@ -40,7 +41,7 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
-    "BackendConnectionError", "ConfigError", "EpochFencedError", "FencedOut", "Member", "Membership",
+    "BackendConnectionError", "ConfigError", "EpochFencedError", "FencedOut", "FetchError", "Member", "Membership",
     "MembershipChanged", "MembershipEvent", "MembershipStore", "MembershipTimeoutError", "ProtocolError",
     "RingBrokenError", "RingGroup", "RingTimeouts", "SpotnikError", "SpotnikStrategy", "open_store",
 ]

@@ -69,6 +69,22 @@ class ProtocolError(SpotnikError):
     """A peer sent a malformed, truncated, oversized or unauthenticated frame."""
 
 
+class FetchError(SpotnikError):
+    """A fetch from a peer's served snapshot cache failed; the caller's buffer holds nothing usable.
+
+    ``gone`` is True when the peer died, left, was removed from the membership, could not be
+    reached or stopped answering (drop it: asking again will not help); False when the peer is
+    alive but has no usable snapshot (nothing published under the name, older than asked for, or
+    of another size). The message names the peer, the epoch and the operation.
+    """
+
+    def __init__(self, message: str, peer: str, epoch: int, gone: bool) -> None:
+        super().__init__(message)
+        self.peer = peer
+        self.epoch = epoch
+        self.gone = gone
+
+
 def _positive(name: str, value: timedelta) -> timedelta:
     if not isinstance(value, timedelta) or value <= timedelta(0):
         raise ConfigError(f"timeout {name!r} must be a positive timedelta, got {value!r}")

@@ -304,6 +304,7 @@ def run(cfg: dict) -> int:
          lr=trainer.optimizers[0].param_groups[0]["lr"],
          metrics={k: float(v) for k, v in trainer.progress_bar_metrics.items() if k.startswith("spotnik/")},
          params=_dump(model, cfg), sync=strategy.sync_mode, switches=strategy.sync_switches,
+         gossip={"averaged": strategy._adpsgd.averaged, "skipped": strategy._adpsgd.skipped},
          acc=_accuracy(model, train.dataset))
     return 0
 

@@ -16,6 +16,7 @@ from spotnik_lightning.api import MembershipChanged, SpotnikError
 from spotnik_lightning.lightning import transfer
 from spotnik_lightning.lightning.commit import ReplicaDivergenceError, Resync, StepDiscarded
 from spotnik_lightning.lightning.syncing import CODES
+from spotnik_lightning.sync.primitives import load_snapshot
 
 log = logging.getLogger("spotnik.lightning")
 
@@ -41,6 +42,7 @@ class MembershipHandling:
     _world_seen: int
     _faults: Any
     _admit_next: bool
+    _prefetched: tuple[int, torch.Tensor] | None
     _sync: str
     _dirty: bool
     world_size: int
@@ -64,7 +66,8 @@ class MembershipHandling:
                                      behind_may_adopt=self._manual,
                                      before_send=lambda: self._faults.at("state_send", self._committer.committed),
                                      coll_done=self._coll_done, coll_last=lambda: self._coll_last,
-                                     mode=CODES[self._sync])
+                                     mode=CODES[self._sync], have_model=self._prefetched[0] if joiner and
+                                     self._prefetched else -1, light_mode=CODES["adpsgd"])
         self._agree_sync(res.mode, joiner)
         self._admit_next = False  # a vote's joiner flag is not known to all after a change: asked again
         self.counters.last_recovery_ms = (time.monotonic() - t0) * 1e3
@@ -89,9 +92,9 @@ class MembershipHandling:
                     g["lr"] = g["lr"] * n / self._world_seen
         self._world_seen = n
 
-    def _capture(self) -> list[torch.Tensor]:
+    def _capture(self, light: bool = False) -> list[torch.Tensor]:
         assert self._loader is not None and self._committer is not None
-        return transfer.capture(self.lightning_module.trainer, {
+        return transfer.capture(self.lightning_module.trainer, light=light, extra={
             "committed": self._committer.committed,
             "cursor": self._loader.cursor.state_dict(),
             "world_seen": self._world_seen,
@@ -108,6 +111,12 @@ class MembershipHandling:
             transfer.apply_training_state(self.lightning_module.trainer, ckpt, loops=False)
             return
         transfer.apply_training_state(self.lightning_module.trainer, ckpt, loops=True)
+        if ckpt["spotnik"].get("light"):  # no model sent: the snapshot prefetched before joining
+            assert self._prefetched is not None
+            load_snapshot(self._model_tensors(), self._prefetched[1])  # type: ignore[attr-defined]
+            log.info("%s starts from the model snapshot of step %d it prefetched (committed: %d)",
+                     self.ring.member_id, self._prefetched[0], int(ckpt["spotnik"]["committed"]))
+        self._prefetched = None
         self._adopted = ckpt["spotnik"]
         self._world_seen = int(ckpt["spotnik"]["world_seen"])  # the donor's learning rates are for its world
         self._coll_done = int(ckpt["spotnik"]["coll_done"])  # its Lightning collectives count from here on

@@ -7,7 +7,7 @@ step only after its vote completed, so an applied step implies that every member
 had its fully reduced gradients. If the ring changes during the step, the member discards the step
 and calls :meth:`StepCommitter.resync` — its first collective on the new membership, since the ring
 reports each change to each member exactly once. Resync all-gathers ``(committed, voted, reliable,
-joiner, sync mode, collectives done)``; then
+joiner, sync mode, collectives done, version of a model snapshot a joiner prefetched)``; then
 
 * if some members completed one more of Lightning's own collectives (outside steps) than others,
   the result is served to those that had not (:meth:`StepCommitter._serve`);
@@ -16,7 +16,10 @@ joiner, sync mode, collectives done)``; then
   completed somewhere, so its gradients are the step's reduced gradients: the result is
   bit-identical to the members that applied it, and nothing is sent);
 * a member further behind, or a joiner, receives the donor's full state (an up-to-date member,
-  reliable tier first, lowest rank) point-to-point over the ring;
+  reliable tier first, lowest rank) point-to-point over the ring — in AD-PSGD, a joiner that
+  prefetched a recent model snapshot from a member's served cache before it registered gets the
+  state *without* model and optimizer state (a few KB: it keeps its snapshot and starts with fresh
+  local optimizer state), so the members barely wait for it;
 * everybody else retries the discarded step on the new membership.
 
 If the ring changes again during the resync, the resync restarts (it is idempotent). The resync
@@ -135,10 +138,11 @@ class StepCommitter:
                     requests[0] if requests else 0, bool(rows[:, 5].any()),
                     [r for r in range(n) if rows[r, 2]])
 
-    def resync(self, *, voted: bool, joiner: bool, capture: Callable[[], list[torch.Tensor]],
+    def resync(self, *, voted: bool, joiner: bool, capture: Callable[..., list[torch.Tensor]],
                adopt: Callable[[Any], None], timeout_s: float, behind_may_adopt: bool = False,
                before_send: Callable[[], None] | None = None, coll_done: int = 0,
-               coll_last: Callable[[], torch.Tensor] | None = None, mode: int = 0) -> Resync:
+               coll_last: Callable[[], torch.Tensor] | None = None, mode: int = 0,
+               have_model: int = -1, light_mode: int = 0, light_lag: int = 20) -> Resync:
         """Agree on committed state after a membership change (see the module doc). ``voted``:
         this member voted in the step it is discarding; ``joiner``: it has no state yet.
         ``capture()`` (donor) packs the state (:func:`packing.pack`), ``adopt(state)`` (receiver)
@@ -149,12 +153,15 @@ class StepCommitter:
         ``behind_may_adopt``: members behind receive state too (manual optimization, where a
         discarded step was rolled back and cannot be applied locally); otherwise only joiners do.
         ``mode``: this member's sync-mode code (the result's ``mode`` is the agreed one).
+        ``have_model`` (joiners): the version of a model snapshot it already holds (-1: none). When
+        the agreed mode is ``light_mode`` (non-zero) and that version is at least ``top − light_lag``,
+        the donor sends it ``capture(light=True)`` — the state without the model and optimizer state.
         Blocks until done; raises MembershipTimeoutError after ``timeout_s`` of repeated changes."""
         t0 = time.monotonic()
         while True:
             try:
                 return self._resync_once(voted, joiner, capture, adopt, t0, behind_may_adopt, before_send,
-                                         coll_done, coll_last, mode)
+                                         coll_done, coll_last, mode, (have_model, light_mode, light_lag))
             except MembershipChanged as exc:
                 if time.monotonic() - t0 > timeout_s:
                     raise MembershipTimeoutError(
@@ -162,18 +169,20 @@ class StepCommitter:
                         f"(last change epoch {exc.old_epoch} -> {exc.new_epoch})") from exc
                 log.info("membership changed again during resync at %s: %s", self.ring.member_id, exc)
 
-    def _resync_once(self, voted: bool, joiner: bool, capture: Callable[[], list[torch.Tensor]],
+    def _resync_once(self, voted: bool, joiner: bool, capture: Callable[..., list[torch.Tensor]],
                      adopt: Callable[[Any], None], t0: float, behind_may_adopt: bool,
                      before_send: Callable[[], None] | None, coll_done: int,
-                     coll_last: Callable[[], torch.Tensor] | None, mode: int) -> Resync:
+                     coll_last: Callable[[], torch.Tensor] | None, mode: int,
+                     light: tuple[int, int, int]) -> Resync:
         ring = self.ring
         n, me = ring.size, ring.rank
         reliable = int(ring.me.tier == "reliable")
+        have_model, light_mode, light_lag = light
         info = torch.tensor([-1 if joiner else self.committed, int(voted), reliable, int(joiner), mode,
-                             -1 if joiner else coll_done], dtype=torch.int64)
-        out = torch.empty(n * 6, dtype=torch.int64)
+                             -1 if joiner else coll_done, have_model if joiner else -1], dtype=torch.int64)
+        out = torch.empty(n * 7, dtype=torch.int64)
         ring.all_gather(out, info)
-        rows = out.view(n, 6).tolist()
+        rows = out.view(n, 7).tolist()
         served = self._serve(rows, coll_last)
         top = max(r[0] for r in rows)
         if top < 0:
@@ -190,6 +199,11 @@ class StepCommitter:
                                          f"without a pending step: {rows}")
         donor = None
         nbytes = 0
+        agreed = next(r[4] for r in rows if r[0] == top)
+
+        def light_for(i: int) -> bool:  # a joiner holding a recent model snapshot, in the light mode
+            return bool(light_mode) and agreed == light_mode and rows[i][3] == 1 and rows[i][6] >= top - light_lag
+
         if needy:
             donor = min((i for i, r in enumerate(rows) if r[0] == top), key=lambda i: (rows[i][2] == 0, i))
             tick = time.monotonic()
@@ -201,12 +215,14 @@ class StepCommitter:
                 tick = now
 
             if me == donor:
-                parts = capture()
+                captured = {kind: capture(light=True) if kind else capture()
+                            for kind in sorted({light_for(r) for r in needy})}
                 lap("capture")
                 if before_send is not None:
                     before_send()
-                nbytes = sum(p.numel() * p.element_size() for p in parts)
                 for r in needy:
+                    parts = captured[light_for(r)]
+                    nbytes += sum(p.numel() * p.element_size() for p in parts)
                     ring.send(torch.tensor([parts[0].numel()], dtype=torch.int64), r)
                     for p in parts:
                         ring.send(p, r)
@@ -231,7 +247,6 @@ class StepCommitter:
             outcome = "commit"
         else:
             outcome = "retry"
-        agreed = next(r[4] for r in rows if r[0] == top)
         return Resync(outcome, donor, len(needy), nbytes, (time.monotonic() - t0) * 1e3, ring.epoch, phases, agreed,
                       served)
 

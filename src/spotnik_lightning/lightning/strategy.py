@@ -57,6 +57,7 @@ from spotnik_lightning.lightning.syncing import SyncModes
 from spotnik_lightning.lightning.verify import replica_hash
 from spotnik_lightning.ring.backend.lifecycle import _close_ring, _track
 from spotnik_lightning.ring.group import RingGroup
+from spotnik_lightning.sync.primitives import MODEL, snapshot_bytes
 from spotnik_lightning.sync.reducer import GradientReducer
 
 log = logging.getLogger("spotnik.lightning")
@@ -118,6 +119,7 @@ class SpotnikStrategy(MembershipHandling, ManualSteps, RingCollectives, SyncMode
         self._cfg: Any = None
         self._store: Any = None
         self._joiner = False
+        self._prefetched: tuple[int, torch.Tensor] | None = None  # a joiner's model snapshot, see setup
         self._provisional = (0, 1)
         self._committer: StepCommitter | None = None
         self._reducer: GradientReducer | None = None
@@ -211,10 +213,10 @@ class SpotnikStrategy(MembershipHandling, ManualSteps, RingCollectives, SyncMode
         super().setup_environment()
         self._set_rank_zero()
 
-    def _create_ring(self, world_size: int | None) -> None:
+    def _create_ring(self, world_size: int | None, prefetch: tuple[str, torch.Tensor] | None = None) -> None:
         cfg = self._cfg
         self.ring = RingGroup.create(self._store, world_size=world_size, member_id=cfg.member_id, host=cfg.host,
-                                     tier=cfg.tier, secret=self._secret, timeouts=cfg.timeouts)
+                                     tier=cfg.tier, secret=self._secret, timeouts=cfg.timeouts, prefetch=prefetch)
         _track(self.ring, 10.0)
         self._committer = StepCommitter(self.ring)
         self.ring.listeners.append(self._on_membership_event)
@@ -234,7 +236,11 @@ class SpotnikStrategy(MembershipHandling, ManualSteps, RingCollectives, SyncMode
             module.on_train_batch_start = self._on_train_batch_start  # type: ignore[method-assign]
         if self._joiner:
             trainer.num_sanity_val_steps = 0  # the members are training: no collectives of our own now
-            self._create_ring(None)  # blocks until admitted at the members' next step
+            # Prefetch a member's served model before asking to join (used if the members are in
+            # AD-PSGD: the donor then sends the state without model and optimizer state).
+            snap = torch.empty(snapshot_bytes(self._model_tensors()), dtype=torch.uint8)
+            self._create_ring(None, prefetch=(MODEL, snap))  # blocks until admitted at the members' next step
+            self._prefetched = (self.ring.prefetched[0], snap) if self.ring.prefetched else None
             self._set_rank_zero()
             self._resync(voted=False, joiner=True)
             # Lightning's own start-up collectives (barriers, length checks) ran long ago on the
@@ -471,7 +477,7 @@ class SpotnikStrategy(MembershipHandling, ManualSteps, RingCollectives, SyncMode
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
         if self._loader is not None and self._committer is not None:
             checkpoint["spotnik"] = {"cursor": self._loader.cursor.state_dict(), "committed": self._committer.committed,
-                                     "world_seen": self._world_seen}
+                                     "world_seen": self._world_seen, **self._sync_state()}
         if self.is_global_zero:
             self.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
@@ -484,6 +490,7 @@ class SpotnikStrategy(MembershipHandling, ManualSteps, RingCollectives, SyncMode
             if self._committer is not None:
                 self._committer.committed = int(state["committed"])
             self._ckpt_world = int(state.get("world_seen", 0))
+            self._load_sync_state(state)
         return ckpt
 
     def remove_checkpoint(self, filepath: Any) -> None:

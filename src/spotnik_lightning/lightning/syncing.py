@@ -3,8 +3,9 @@
 * ``"ssgd"`` (default): gradients all-reduced during backward, replicas bit-identical.
 * ``"sma"``: local steps; every ``sma_period`` committed steps the models are averaged
   (:mod:`spotnik_lightning.sync.sma`).
-* ``"adpsgd"``: local steps; after each, pairwise model averaging with one peer of a per-step
-  random matching (:mod:`spotnik_lightning.sync.adpsgd`).
+* ``"adpsgd"``: local steps; after each, the member publishes its model in its served cache and
+  averages with the latest published model of a random live peer, fetched without involving the
+  peer's training thread (:mod:`spotnik_lightning.sync.adpsgd`).
 
 In every mode the commit vote still runs (48 bytes): it keeps committed step counts, leavers,
 joiners, switch requests and the "dirty" flags agreed. A member's ring operations per step are,
@@ -14,7 +15,9 @@ say so, so every member issues the same sequence. A membership change observed i
 post-commit operations skips the rest of them and makes the next operation the resync — which is
 also where the other members go after observing the change in their own next collective. After a
 vote with leavers (SIGTERM) no averaging runs in that step: the leavers depart at once and the
-others observe the departure in the barrier that follows, as in S-SGD.
+others observe the departure in the barrier that follows, as in S-SGD. AD-PSGD's averaging is a
+fetch, not a collective: a failed fetch is skipped and reports nothing, so a change behind it is
+observed by the member's next collective (the next vote, or the switch averaging).
 
 Switching: :meth:`request_sync` puts a request in this member's next votes; when a vote completes,
 the lowest rank's request is the agreed one and every member switches after applying that step.
@@ -105,8 +108,10 @@ class SyncModes:
     def _set_sync(self, name: str, reason: str, replica_differs: bool = True) -> None:
         if name == self._sync:
             return
-        entry = {"member": self.ring.member_id, "step": self._committer.committed, "from": self._sync, "to": name,
-                 "reason": reason, "epoch": self.ring.epoch, "world": self.ring.size}
+        ring, committer = self.ring, self._committer
+        entry = {"member": ring.member_id if ring else None, "step": committer.committed if committer else 0,
+                 "from": self._sync, "to": name, "reason": reason, "epoch": ring.epoch if ring else 0,
+                 "world": ring.size if ring else 0}
         if name == "ssgd" and replica_differs:
             self._dirty = True  # identical again only after the switch averaging
         self._sync = name
@@ -136,10 +141,8 @@ class SyncModes:
                 if ran == "sma":
                     if self._sma.after_step(self.ring, self._model_tensors(), step):
                         check = "params"
-                else:
-                    _, err = self._adpsgd.after_step(self.ring, self._model_tensors(), step)
-                    if err is not None:
-                        raise err
+                else:  # a failed fetch is skipped; a change behind it is met by the next collective
+                    self._adpsgd.after_step(self.ring, self._model_tensors(), step)
             except MembershipChanged as exc:
                 ok = average = self._observed_in_post_step(exc)
         if self._sync == "ssgd" and (vote.dirty or ran != "ssgd"):
@@ -159,6 +162,30 @@ class SyncModes:
         self._note_change(exc)  # type: ignore[attr-defined]
         self._resync(voted=False, joiner=False)  # type: ignore[attr-defined]
         return False
+
+    def _sync_state(self) -> dict[str, Any]:
+        """What a checkpoint keeps of the synchronisation: the agreed mode and the SMA period (the
+        SMA phase is the committed step count, which the checkpoint keeps anyway)."""
+        return {"sync": self._sync, "sma_period": self._sma.period}
+
+    def _load_sync_state(self, state: dict[str, Any]) -> None:
+        """Resume in the checkpoint's mode and SMA period (every member loads the same checkpoint,
+        so they agree; its replica is rank 0's, so the members are identical again: not dirty).
+        A checkpoint without them (older) keeps the configured mode. Raises ConfigError for a
+        model-averaging mode under manual optimization."""
+        name = state.get("sync")
+        if name is None:
+            return
+        if name not in MODES:
+            raise ConfigError(f"checkpoint holds an unknown sync mode {name!r}")
+        if name != "ssgd" and getattr(self, "_manual", False):
+            raise ConfigError(f"the checkpoint was saved in sync={name!r}, which needs automatic optimization")
+        period = int(state.get("sma_period", self._sma.period))
+        if period != self._sma.period:
+            log.info("resuming with the checkpoint's SMA period %d (configured: %d)", period, self._sma.period)
+            self._sma = SMA(period)
+        self._dirty = False
+        self._set_sync(name, "checkpoint", replica_differs=False)
 
     def _agree_sync(self, code: int, joiner: bool = False) -> None:
         """Adopt the mode a resync agreed on (a member that missed a switching vote catches up; a

@@ -38,16 +38,23 @@ def set_rng_state(state: dict[str, Any]) -> None:
         np.random.set_state(state["numpy"])
 
 
-def capture(trainer: pl.Trainer, extra: dict[str, Any]) -> list[torch.Tensor]:
-    """The trainer's full training state plus ``extra`` (the strategy's own state), packed."""
+def capture(trainer: pl.Trainer, extra: dict[str, Any], light: bool = False) -> list[torch.Tensor]:
+    """The trainer's full training state plus ``extra`` (the strategy's own state), packed.
+    ``light``: without the model weights and the optimizers' per-parameter state (the receiver
+    holds a model snapshot of its own and starts with fresh optimizer state; param groups, i.e.
+    learning rates, are kept)."""
     ckpt = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
-    ckpt["spotnik"] = {**extra, "rng": rng_state()}
+    if light:
+        ckpt["state_dict"] = {}
+        ckpt["optimizer_states"] = [{"state": {}, "param_groups": o["param_groups"]} for o in ckpt["optimizer_states"]]
+    ckpt["spotnik"] = {**extra, "rng": rng_state(), "light": light}
     return pack(ckpt)
 
 
 def apply_training_state(trainer: pl.Trainer, ckpt: dict[str, Any], *, loops: bool) -> None:
     """Load model, optimizer and scheduler states (and, with ``loops``, loop progress and callback
-    states) from a donor's payload into this member's trainer; then adopt the donor's RNG.
+    states) from a donor's payload into this member's trainer; then adopt the donor's RNG. A light
+    payload (see :func:`capture`) leaves the model alone and empties the optimizers' state.
 
     Loop progress is loaded as settled counters (ready = completed), so the receiver's next batch is
     the donor's next batch, not a restart of a half-done one.
@@ -55,7 +62,8 @@ def apply_training_state(trainer: pl.Trainer, ckpt: dict[str, Any], *, loops: bo
     connector = trainer._checkpoint_connector
     connector._loaded_checkpoint = ckpt
     try:
-        connector.restore_model()
+        if not ckpt["spotnik"].get("light"):  # a light payload has no model: the receiver keeps its own
+            connector.restore_model()
         if loops:
             connector.restore_callbacks()
         connector.restore_optimizers_and_schedulers()

@@ -29,6 +29,7 @@ from spotnik_lightning.api import (
     BackendConnectionError,
     ConfigError,
     EpochFencedError,
+    FetchError,
     MembershipChanged,
     MembershipTimeoutError,
     ProtocolError,
@@ -42,6 +43,8 @@ from spotnik_lightning.ring.events import MembershipEvent
 from spotnik_lightning.ring.links import Monitor, OutLink, tune
 from spotnik_lightning.ring.ops import REDUCE_OPS, Op
 from spotnik_lightning.ring.repair import RepairMixin
+from spotnik_lightning.ring.serve import CHANNEL as SERVE_CHANNEL
+from spotnik_lightning.ring.serve import ServedCache
 from spotnik_lightning.ring.state import CLOSED, FENCED, JOINING, LEAVING, REPAIRING, RUNNING, STARTING
 from spotnik_lightning.ring.state import Interrupted as _Interrupted
 
@@ -110,6 +113,9 @@ class RingGroup(RepairMixin):
         self.events: list[MembershipEvent] = []
         self.listeners: list[Callable[[MembershipEvent], None]] = []
         self.messages_sent = 0
+        self.prefetched: tuple[int, str] | None = None  # see create(prefetch=)
+        self._served = ServedCache(me.id, secret, run_id, chunk_bytes, timeouts.collective.total_seconds(),
+                                   timeouts.connect.total_seconds())
         self._init_repair_state()
         hb = timeouts.heartbeat_interval.total_seconds()
         self._monitor = Monitor(listener, udp, secret, hb, self._on_accept, self._on_heartbeat,
@@ -128,12 +134,17 @@ class RingGroup(RepairMixin):
                host: str = "127.0.0.1", port: int = 0, advertise_host: str | None = None,
                tier: str = "transient", secret: bytes | str | None = None,
                timeouts: RingTimeouts | None = None, chunk_bytes: int = 4 << 20,
-               register_ttl: timedelta = timedelta(seconds=10)) -> RingGroup:
+               register_ttl: timedelta = timedelta(seconds=10),
+               prefetch: tuple[str, torch.Tensor] | None = None) -> RingGroup:
         """Bind the ring port, register in ``store`` and enter the ring.
 
         If the store holds no membership yet, the first ``world_size`` registered workers
         (reliable tier first, then registration order) found the ring at epoch 1; otherwise this
         worker joins the running ring and is admitted at the members' next ``admit()``.
+        ``prefetch=(name, out)``: a worker joining a running ring first fetches a member's latest
+        snapshot of ``name`` into ``out`` (reliable tier first, then rank order), *before* it
+        registers, so the transfer delays nobody; ``group.prefetched`` is then ``(version,
+        member id)``, or None when no member had one (best effort: never raises).
         Blocks until this worker is a member. Raises ConfigError for bad arguments,
         BackendConnectionError when the store is unreachable, MembershipTimeoutError when the
         bootstrap or join does not complete in time.
@@ -149,6 +160,8 @@ class RingGroup(RepairMixin):
         group = cls(store, me, run_id=store.run_id, secret=wire.load_secret(secret), timeouts=timeouts,
                     chunk_bytes=chunk_bytes, listener=listener, udp=udp, register_ttl=register_ttl)
         try:
+            if prefetch is not None:
+                group.prefetched = group._prefetch(*prefetch)
             store.register(me, register_ttl)
             group._enter(world_size)
         except BaseException:
@@ -317,6 +330,58 @@ class RingGroup(RepairMixin):
         """Send ``send`` to ``peer`` and receive its tensor into ``recv`` concurrently (pairwise
         averaging for AD-PSGD); both sides call exchange with each other."""
         self._p2p(send=send, recv=recv, peer_rank=peer)
+
+    # ------------------------------------------------------------------ served snapshots (ring/serve.py)
+    def publish(self, name: str, tensors: torch.Tensor | list[torch.Tensor], version: int) -> int:
+        """Copy ``tensors`` (bytes concatenated in order) into this member's served cache as the
+        latest snapshot of ``name``, tagged ``version`` (e.g. the committed step). Local only: never
+        blocks on peers. Returns its size in bytes; raises ConfigError for a version going back."""
+        return self._served.publish(name, tensors, version)
+
+    def fetch(self, peer: int | str, name: str, out: torch.Tensor, min_version: int = -1,
+              timeout: float | None = None) -> int:
+        """Fill ``out`` (dense, as many bytes as the snapshot) with the latest snapshot of ``name``
+        that member ``peer`` (a rank of the current membership, or a member id) published, served by
+        the peer's ring I/O threads (its training thread is not involved), and return its version.
+        Not a collective: only this member calls it, and it never reports membership changes (the
+        next collective does). Blocks for at most ``timeout`` (default: the collective timeout) s
+        without progress. Raises FetchError — ``gone=True`` at once when the peer is not (or stops
+        being) a live member, dies or cannot be reached; ``gone=False`` when it has no snapshot of
+        that name, size and at least ``min_version`` — and RingBrokenError when this group is closed."""
+        with self._cv:
+            if self._state not in (RUNNING, REPAIRING):
+                raise self._error or RingBrokenError(f"ring is {self._state} (member {self.me.id})")
+            m = self._membership
+            if isinstance(peer, int):
+                self._check_rank(peer)
+                peer = m.members[peer].id
+            member = self._known.get(peer)
+        if peer == self.me.id:
+            return self._served.local(name, out, min_version)
+        if member is None or not self._live(peer):
+            raise FetchError(f"fetch {name!r} from {peer} at epoch {m.epoch}: not a live member", peer, m.epoch, True)
+        return self._served.fetch(member, name, out, min_version=min_version, epoch=m.epoch,
+                                  alive=lambda: self._live(peer), timeout=timeout)
+
+    def _prefetch(self, name: str, out: torch.Tensor) -> tuple[int, str] | None:
+        """Before registering: a running ring's member's latest ``name`` snapshot (see create)."""
+        current = self.store.get_membership()
+        if current is None or current.epoch == 0:
+            return None
+        for m in sorted(current.members, key=lambda m: m.tier != "reliable")[:2]:
+            self._known.setdefault(m.id, m)
+            try:
+                version = self._served.fetch(m, name, out, min_version=-1, epoch=current.epoch,
+                                             alive=lambda: self._state != CLOSED)
+            except FetchError as exc:
+                log.info("%s could not prefetch %r: %s", self.me.id, name, exc)
+                continue
+            return version, m.id
+        return None
+
+    def _live(self, peer: str) -> bool:
+        """``peer`` is a member of the current membership and not suspected (lock-free read)."""
+        return self._state in (RUNNING, REPAIRING) and peer in self._membership.ids and peer not in self._dead
 
     def _contiguous(self, tensor: torch.Tensor) -> torch.Tensor:
         """``tensor`` itself when its memory is one dense run, else a dense copy (the caller
@@ -566,6 +631,8 @@ class RingGroup(RepairMixin):
             self._inbound.setdefault(peer, []).append(sock)
         scratch = bytearray(64 << 10)
         try:
+            if hello.channel == SERVE_CHANNEL:  # request/reply, answered on this thread; never suspects
+                return self._served.serve(sock, peer)
             while True:
                 raw = wire.recv_exact(sock, wire.HEADER.size)
                 kind, epoch, seq, idx, length = wire.unpack_header(raw, self.chunk_bytes)
@@ -786,6 +853,7 @@ class RingGroup(RepairMixin):
                 op.fail(self._error)
             self._cv.notify_all()
         self._ctrl_q.put(None)
+        self._served.close()
         if self._join_watch is not None:
             self._join_watch()
         self._monitor.stop()

@@ -7,20 +7,20 @@ dtype. Ring errors (e.g. :class:`MembershipChanged`) propagate to the caller; on
 tensors are left untouched.
 
 * :func:`average_all` — ``t ← (1/n) Σ_members t`` (ring all-reduce "avg"; bit-identical everywhere);
-* :func:`average_pair` — ``t ← (t + t_peer) / 2`` with one peer (ring exchange; both sides compute
-  the same float sum, so the pair ends bit-identical);
-* :func:`pairing` — a perfect matching of the ranks derived only from ``(step, epoch)``, so every
-  member computes the same pairs without communicating.
+* :func:`publish_model` — put a snapshot of the tensors in this member's served cache (local copy);
+* :func:`average_with_snapshot` — ``t ← (t + t_peer) / 2`` with the latest snapshot a peer published,
+  fetched from the peer's served cache without involving the peer's training thread (one-sided).
 """
 
 from __future__ import annotations
 
-import random
 from collections.abc import Iterable, Sequence
 
 import torch
 
 from spotnik_lightning.ring.group import RingGroup
+
+MODEL = "model"  # the snapshot name model averaging publishes under
 
 
 def _groups(tensors: Iterable[torch.Tensor]) -> list[list[torch.Tensor]]:
@@ -60,32 +60,54 @@ def average_all(ring: RingGroup, tensors: Iterable[torch.Tensor]) -> int:
     return nbytes
 
 
-def average_pair(ring: RingGroup, tensors: Iterable[torch.Tensor], peer: int) -> int:
-    """``t ← (t + t_peer) / 2`` for every floating tensor, with rank ``peer`` (which must call this
-    with this member's rank and the same tensor layout). Returns the bytes sent."""
-    nbytes = 0
-    out = []
-    for group in _groups(tensors):
-        mine = _flat(group)
-        theirs = torch.empty_like(mine)
-        ring.exchange(mine, theirs, peer)
-        out.append((group, mine.add_(theirs).div_(2)))
-        nbytes += mine.numel() * mine.element_size()
-    for group, flat in out:
-        _unflat(group, flat)
-    return nbytes
+def _snapshot_order(tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+    """The floating, non-empty tensors in the byte layout of a model snapshot: by element size,
+    largest first (stable), so every tensor starts at an offset aligned to its element size."""
+    floats = [t for t in tensors if t.is_floating_point() and t.numel()]
+    return sorted(floats, key=lambda t: -t.element_size())
 
 
-def pairing(step: int, epoch: int, ranks: Sequence[int]) -> dict[int, int | None]:
-    """A random perfect matching of ``ranks`` that depends only on ``(step, epoch, ranks)``: each
-    rank maps to its peer, or to None (the odd one out when ``len(ranks)`` is odd). Symmetric:
-    ``p[p[r]] == r``."""
-    order = sorted(ranks)
-    random.Random(step * 1_000_003 + epoch * 7919 + len(order)).shuffle(order)
-    out: dict[int, int | None] = {}
-    for i in range(0, len(order) - 1, 2):
-        a, b = order[i], order[i + 1]
-        out[a], out[b] = b, a
-    if len(order) % 2:
-        out[order[-1]] = None
-    return out
+def publish_model(ring: RingGroup, tensors: Iterable[torch.Tensor], version: int, name: str = MODEL) -> int:
+    """Publish the floating tensors as this member's snapshot ``name`` (one copy into the ring's
+    served cache, no communication). Returns the snapshot's size in bytes."""
+    return ring.publish(name, _snapshot_order(tensors), version)
+
+
+def snapshot_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """The size of :func:`publish_model`'s snapshot of ``tensors``."""
+    return sum(t.numel() * t.element_size() for t in _snapshot_order(tensors))
+
+
+def load_snapshot(tensors: Iterable[torch.Tensor], buf: torch.Tensor) -> None:
+    """Overwrite the floating tensors with a snapshot of the same layout (see :func:`publish_model`)."""
+    with torch.no_grad():
+        off = 0
+        for t in _snapshot_order(tensors):
+            n = t.numel() * t.element_size()
+            t.copy_(buf[off:off + n].view(t.dtype).view(t.shape))
+            off += n
+
+
+def average_snapshot(tensors: Sequence[torch.Tensor], buf: torch.Tensor) -> None:
+    """``t ← (t + t_snap) / 2`` for every floating tensor, with a snapshot of the same layout (see
+    :func:`publish_model`) in ``buf``."""
+    with torch.no_grad():
+        off = 0
+        for t in _snapshot_order(tensors):
+            n = t.numel() * t.element_size()
+            t.add_(buf[off:off + n].view(t.dtype).view(t.shape)).div_(2)
+            off += n
+
+
+def average_with_snapshot(ring: RingGroup, tensors: Sequence[torch.Tensor], peer: int | str, min_version: int,
+                          scratch: torch.Tensor | None = None, name: str = MODEL) -> tuple[int, torch.Tensor]:
+    """``t ← (t + t_peer) / 2`` for every floating tensor, where ``t_peer`` is the latest snapshot
+    member ``peer`` published with :func:`publish_model` (same layout), of version at least
+    ``min_version``. One-sided: only this member's tensors change, and the peer's training thread
+    takes no part (its ring I/O threads serve the snapshot). Returns ``(version, buffer)``; pass the
+    buffer back as ``scratch`` to reuse it. Raises FetchError (the tensors are then untouched)."""
+    nbytes = snapshot_bytes(tensors)
+    buf = scratch if scratch is not None and scratch.numel() == nbytes else torch.empty(nbytes, dtype=torch.uint8)
+    version = ring.fetch(peer, name, buf, min_version=min_version)
+    average_snapshot(tensors, buf)
+    return version, buf
