@@ -18,7 +18,7 @@ import torch
 
 from spotnik_lightning.api import ConfigError
 from spotnik_lightning.lightning.adaptive import ThroughputTrigger, WorldSizeThreshold
-from tests.test_lightning_strategy import check_run, cluster, finished
+from tests.test_lightning_strategy import check_run, cluster, finished, lose_all_after_checkpoint
 
 ACC = 0.75  # training accuracy every mode reaches in 3 epochs (chance: 0.25)
 
@@ -173,18 +173,11 @@ def test_the_sync_mode_and_sma_period_are_checkpointed_and_resumed(embedded_serv
     """A job switches to SMA (k = 3) and is lost after its step-4 checkpoint; a new job started with
     sync="ssgd", sma_period=5 resumes in SMA with k = 3 (averaging at steps 6 and 9: the phase is the
     committed step count), then switches back to S-SGD with identical replicas."""
-    import signal as sig
-    import time
-
     with cluster(embedded_server.url, sync="ssgd", sma_k=3, ckpt_dir=str(tmp_path), every_n_steps=4, pace_s=0.05,
                  switch_at=[[2, "sma"]]) as c:
         for i in range(3):
             c.spawn(f"a{i}", world_size=3)
-        c.wait_for(lambda e: e["ev"] == "commit" and e["step"] == 6, 60, "step 6")
-        while not (tmp_path / "step=4.ckpt").exists():
-            time.sleep(0.05)
-        for i in range(3):
-            c.signal(f"a{i}", sig.SIGKILL)
+        lose_all_after_checkpoint(c, [f"a{i}" for i in range(3)], tmp_path / "step=4.ckpt", 6)
         assert _modes(c)[4] == {"sma"}
     saved = torch.load(tmp_path / "step=4.ckpt", weights_only=False)["spotnik"]
     assert saved["sync"] == "sma" and saved["sma_period"] == 3

@@ -36,6 +36,19 @@ def finished(c: LocalCluster, ids: list[str], timeout: float = 120) -> dict[str,
     return c.wait_all(ids, lambda e: e["ev"] in ("done", "error", "left"), timeout, "the end of training")
 
 
+def lose_all_after_checkpoint(c: LocalCluster, ids: list[str], ckpt: Path, step: int, timeout: float = 60) -> None:
+    """Wait (bounded) until step ``step`` is committed and ``ckpt`` is written, then SIGKILL every
+    worker in ``ids`` at once: every VM revoked."""
+    c.wait_for(lambda e: e["ev"] == "commit" and e["step"] == step, timeout, f"step {step}")
+    deadline = time.monotonic() + timeout
+    while not ckpt.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"checkpoint {ckpt} not written within {timeout:.0f} s after step {step}")
+        time.sleep(0.05)
+    for mid in ids:
+        c.signal(mid, signal.SIGKILL)
+
+
 def check_run(c: LocalCluster, survivors: list[str], n_data: int = N_DATA, epochs: int = 1,
               complete: bool = True, optimizer_steps: int = 1) -> dict[int, list[dict]]:
     """Assert the invariants over the whole run; returns the commit events by step."""
@@ -283,11 +296,7 @@ def test_whole_cluster_loss_resumes_from_a_checkpoint_in_a_new_job(embedded_serv
     with cluster(embedded_server.url, ckpt_dir=str(tmp_path), every_n_steps=4, pace_s=0.05) as c:
         for i in range(3):
             c.spawn(f"a{i}", world_size=3)
-        c.wait_for(lambda e: e["ev"] == "commit" and e["step"] == 7, 60, "step 7")
-        while not (tmp_path / "step=4.ckpt").exists():
-            time.sleep(0.05)
-        for i in range(3):
-            c.signal(f"a{i}", signal.SIGKILL)  # every VM revoked at once
+        lose_all_after_checkpoint(c, [f"a{i}" for i in range(3)], tmp_path / "step=4.ckpt", 7)
         first = {e["step"]: e for e in c.of("commit")}
     ckpt = tmp_path / "step=4.ckpt"
     with cluster(embedded_server.url, resume=str(ckpt), pace_s=0.0) as c:  # a new run id: fresh epochs
