@@ -65,7 +65,10 @@ bench: setup
 	$(PY) -m spotnik_lightning.cli bench allreduce --json
 	$(PY) -m spotnik_lightning.cli bench recovery --json
 	$(PY) benchmarks/lightning_bench.py step --repeat 3
-	$(PY) benchmarks/lightning_bench.py commit --repeat 3
+	$(PY) benchmarks/lightning_bench.py commit --steps 160 --repeat 2 --tag _interleaved
+	$(PY) benchmarks/lightning_bench.py commit --steps 160 --repeat 2 --workers 2 --tag _interleaved_2workers
+	$(PY) benchmarks/lightning_bench.py commit --plot benchmarks/out/lightning_commit_interleaved.json \
+		benchmarks/out/lightning_commit_interleaved_2workers.json
 	$(PY) benchmarks/lightning_bench.py revocation
 	$(PY) benchmarks/lightning_bench.py join
 

@@ -1,7 +1,8 @@
 """Lightning-level benchmarks of SpotnikStrategy (issue 3). Prints JSON; writes benchmarks/out/*.json.
 
   step        spotnik vs Lightning DDPStrategy(gloo): median step time and peak RSS per worker
-  commit      atomic vs pipelined (no vote) commit on ResNet-50 / VGG-16 / Inception-V3 / BERT-base shapes
+  commit      atomic vs pipelined (no vote) commit on ResNet-50 / VGG-16 / Inception-V3 / BERT-base shapes,
+              both modes interleaved in one run (--interleave 0: separate runs)
   revocation  time lost per revocation in a training run (stall around each kill, and total wall time)
   join        how long the members stall when a worker joins a 25 M-parameter model trained with Adam
 
@@ -92,7 +93,29 @@ def bench_step(args: argparse.Namespace, url: str) -> dict:
     return out
 
 
+def _block_pairs(ends: dict[str, dict], key: str, k: int) -> tuple[float, list[float]]:
+    """For an interleaved run (modes flip every ``k`` steps, atomic first): sum ``key`` over each
+    block of ``k`` steps, pair each atomic block with the pipelined block after it (skipping the
+    first pair: warm-up). Returns (sum over all pipelined blocks / sum over all atomic blocks, the
+    per-pair ratios) — pipelined/atomic, i.e. atomic throughput relative to pipelined for periods."""
+    tot_a = tot_p = 0.0
+    pairs = []
+    for e in ends.values():
+        modes, vals = "".join(e["step_modes"]), e[key]
+        for i in range(2 * k, len(vals) - 2 * k + 1, 2 * k):
+            if modes[i:i + 2 * k] != "a" * k + "p" * k:
+                raise RuntimeError(f"unexpected modes at step {i}: {modes[i:i + 2 * k]}")
+            a, p = sum(vals[i:i + k]), sum(vals[i + k:i + 2 * k])
+            tot_a, tot_p = tot_a + a, tot_p + p
+            pairs.append(p / a)
+    if not pairs:
+        raise RuntimeError("too few steps for one atomic/pipelined block pair after warm-up")
+    return tot_p / tot_a, pairs
+
+
 def bench_commit(args: argparse.Namespace, url: str) -> dict:
+    if args.interleave:
+        return bench_commit_interleaved(args, url)
     out = {}
     for model in args.models.split(","):
         cfg = dict(model=model, batch=1, n_data=args.workers * args.steps, epochs=1, verify=False, hb_ms=100,
@@ -115,6 +138,68 @@ def bench_commit(args: argparse.Namespace, url: str) -> dict:
         out[model] = res
         print(json.dumps({model: res}), flush=True)
     return out
+
+
+def bench_commit_interleaved(args: argparse.Namespace, url: str) -> dict:
+    """Atomic and pipelined commit in the *same* run: every member flips the mode every
+    ``--interleave`` steps (by the global step), so both modes see the same processes, memory and
+    machine load (separate runs scatter by +-15 % here). Reports the throughput ratio (batch-to-batch
+    periods, pipelined over atomic), the CPU ratio, and the vote's own time as a share of the step."""
+    out = {}
+    k = args.interleave
+    for model in args.models.split(","):
+        cfg = dict(model=model, batch=1, n_data=args.workers * args.steps, epochs=1, verify=False, hb_ms=100,
+                   hb_timeout_ms=5000, pace_s=0.0, quiet=True, interleave=k)
+        rows = []
+        for _ in range(args.repeat):
+            ends, _c = _run(url, args.workers, "run", **cfg)
+            ratio, pairs = _block_pairs(ends, "step_periods", k)
+            cpu, _p = _block_pairs(ends, "step_cpu", k)
+            shares, votes, steps = [], [], []
+            for e in ends.values():
+                atomic = [i for i, m in enumerate(e["step_modes"][:len(e["step_periods"])]) if m == "a" and i >= 2 * k]
+                vote = statistics.median(e["step_votes"][i] for i in atomic)
+                step = statistics.median(e["step_periods"][i] for i in atomic)
+                votes.append(vote)
+                steps.append(step)
+                shares.append(vote / step)
+            rows.append({"throughput_ratio": ratio, "pair_ratio_median": statistics.median(pairs),
+                         "pair_ratio_quartiles": [round(q, 4) for q in statistics.quantiles(pairs, n=4)[::2]],
+                         "pairs": len(pairs), "cpu_ratio": 1 / cpu, "vote_ms": statistics.median(votes) * 1e3,
+                         "atomic_step_ms": statistics.median(steps) * 1e3, "vote_share": statistics.median(shares)})
+        res = {key: statistics.median(r[key] for r in rows) for key in rows[0] if key != "pair_ratio_quartiles"}
+        res["run_ratios"] = [round(r["throughput_ratio"], 4) for r in rows]
+        res["runs"] = rows
+        out[model] = res
+        print(json.dumps({model: {key: v for key, v in res.items() if key != "runs"}}), flush=True)
+    return out
+
+
+def plot_commit(paths: list[Path], out: Path) -> None:
+    """Bar chart of interleaved commit runs (one group of bars per shape, one bar per file, i.e.
+    per worker count; dots: the single runs) against the 0.97 goal."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    docs = [json.loads(p.read_text()) for p in paths]
+    models = list(docs[0]["result"])
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    width = 0.8 / len(docs)
+    for j, doc in enumerate(docs):
+        xs = [i + (j - (len(docs) - 1) / 2) * width for i in range(len(models))]
+        res = doc["result"]
+        ax.bar(xs, [res[m]["throughput_ratio"] for m in models], width, label=f"{doc['args']['workers']} workers")
+        for x, m in zip(xs, models, strict=True):
+            ax.plot([x] * len(res[m]["run_ratios"]), res[m]["run_ratios"], "k.", ms=4)
+    ax.axhline(0.97, color="r", ls="--", lw=1, label="goal 0.97")
+    ax.set_xticks(range(len(models)), [m.split(":")[-1] for m in models])
+    ax.set_ylim(0.9, 1.05)
+    ax.set_ylabel("atomic / pipelined throughput")
+    ax.legend(loc="lower right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
 
 
 def _period(commits: list[dict]) -> float:
@@ -185,7 +270,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kills", type=int, default=3)
     ap.add_argument("--pace", type=float, default=0.05)
     ap.add_argument("--tag", default="")
+    ap.add_argument("--interleave", type=int, default=4,
+                    help="commit: both modes in one run, flipping every N steps (0: separate back-to-back runs)")
+    ap.add_argument("--plot", nargs="*", type=Path, default=None, metavar="JSON",
+                    help="commit: only plot these earlier outputs to docs/img/commit.png")
     args = ap.parse_args(argv)
+    if args.plot:
+        plot_commit(args.plot, Path(__file__).parent.parent / "docs" / "img" / "commit.png")
+        return 0
     if args.models is None:
         args.models = {"step": "mlp,resnet50",
                        "commit": "shaped:resnet50,shaped:vgg16,shaped:inception_v3,shaped:bert_base"}.get(args.what, "")

@@ -222,6 +222,22 @@ def test_the_donor_dies_while_sending_state_to_a_joiner(embedded_server) -> None
         assert any(evs[0]["world"] == 3 and "j0" in evs[0]["members"] for evs in by_step.values())
 
 
+def test_pipelined_commit_interleaved_with_atomic(embedded_server) -> None:
+    """The benchmark's comparison run: every member flips ``atomic`` every other step. Pipelined
+    steps skip the vote (none is counted or timed) and still leave identical replicas fault-free."""
+    ids = [f"w{i}" for i in range(3)]
+    with cluster(embedded_server.url, interleave=2, pace_s=0.0) as c:
+        for mid in ids:
+            c.spawn(mid, world_size=3)
+        check_run(c, ids)
+        ends = {e["id"]: e for e in c.of("done")}
+    for e in ends.values():
+        modes = "".join(e["step_modes"])
+        assert modes == ("aapp" * len(modes))[:len(modes)] and len(modes) == e["step"] == N_DATA // (3 * 4)
+        assert [m for m, v in zip(modes, e["step_votes"], strict=True) if v > 0] == ["a"] * modes.count("a")
+        assert e["votes"] == modes.count("a") and e["vote_ms"] > 0
+
+
 def test_accumulation_clipping_validation_and_metrics(embedded_server, tmp_path: Path) -> None:
     ids = [f"w{i}" for i in range(3)]
     with cluster(embedded_server.url, accumulate=2, clip=0.5, validate=True, epochs=2,
@@ -234,8 +250,11 @@ def test_accumulation_clipping_validation_and_metrics(embedded_server, tmp_path:
             assert len(plans) == 2 or plans[-1][1] + plans[-1][2] == N_DATA, plans
         ends = {e["id"]: e for e in c.of("done")}
         assert ends["w0"]["metrics"]["spotnik/world"] == 2.0 and ends["w0"]["metrics"]["spotnik/epoch"] >= 2
+        # w2 died before its vote: nobody completed that vote, so every committed step had one completed vote
+        assert ends["w0"]["votes"] == ends["w0"]["step"] and ends["w0"]["vote_ms"] > 0
     logged = "".join(p.read_text() for p in tmp_path.rglob("metrics.csv"))
     assert "spotnik/retried_steps" in logged and "spotnik/recovery_ms" in logged and "val_acc" in logged
+    assert "spotnik/vote_ms" in logged
 
 
 def test_global_batch_policy_and_linear_lr_scaling(embedded_server) -> None:

@@ -81,9 +81,18 @@ class Bench(pl.LightningModule):
 class StepTimer(pl.Callback):
     """Wall time of every training batch (start to end of ``on_train_batch_*``), the process CPU
     time (all threads) spent in it, and the period from one batch start to the next (which also
-    covers data loading and everything Lightning does between batches)."""
+    covers data loading and everything Lightning does between batches).
 
-    def __init__(self) -> None:
+    With a SpotnikStrategy, ``votes`` holds each batch's commit-vote time (0.0: no vote), and
+    ``interleave=k`` (benchmarks) flips ``strategy.atomic`` every ``k`` steps (atomic first) by the
+    global step count, so every member flips at the same step; ``modes`` records each batch's mode
+    ("a" atomic, "p" pipelined) for comparing both in one run."""
+
+    def __init__(self, strategy: Any = None, interleave: int = 0) -> None:
+        self.strategy, self.interleave = strategy, interleave
+        self.modes: list[str] = []
+        self.votes: list[float] = []
+        self._v = 0
         self.times: list[float] = []
         self.cpu: list[float] = []
         self.periods: list[float] = []
@@ -93,6 +102,11 @@ class StepTimer(pl.Callback):
         self._f, self._s = 0, 0.0
 
     def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        if self.interleave:
+            self.strategy.atomic = (trainer.global_step // self.interleave) % 2 == 0
+            self.modes.append("a" if self.strategy.atomic else "p")
+        if self.strategy is not None:
+            self._v = self.strategy.counters.votes
         now = time.perf_counter()
         if self._t:
             self.periods.append(now - self._t)
@@ -106,6 +120,9 @@ class StepTimer(pl.Callback):
         ru = resource.getrusage(resource.RUSAGE_SELF)
         self.faults.append(ru.ru_minflt - self._f)
         self.sys.append(ru.ru_stime - self._s)
+        if self.strategy is not None:
+            c = self.strategy.counters
+            self.votes.append(c.vote_ms / 1e3 if c.votes > self._v else 0.0)
 
 
 def _rss_mb() -> float:
@@ -267,7 +284,7 @@ def run(cfg: dict) -> int:
              attempts=info.attempts, hash=info.replica_hash, sync=strategy.sync_mode)
 
     strategy.commit_listeners.append(on_commit)
-    timer = StepTimer()
+    timer = StepTimer(strategy, int(cfg.get("interleave", 0)))
     callbacks: list[pl.Callback] = [timer]
     if cfg.get("adaptive"):
         callbacks.append(_adaptive(cfg["adaptive"]))
@@ -299,9 +316,10 @@ def run(cfg: dict) -> int:
     emit(ev="done", id=cfg["id"], step=trainer.global_step, epoch=trainer.current_epoch,
          hash=replica_hash(model, trainer.optimizers), changes=strategy.counters.changes,
          retried=strategy.counters.retried_steps, joins=strategy.counters.joins, leaves=strategy.counters.leaves,
-         resyncs=strategy.counters.resyncs, wall_s=time.time() - started, step_times=timer.times, step_cpu=timer.cpu,
+         resyncs=strategy.counters.resyncs, votes=strategy.counters.votes, vote_ms=strategy.counters.vote_ms_total,
+         wall_s=time.time() - started, step_times=timer.times, step_cpu=timer.cpu,
          step_periods=timer.periods, step_faults=timer.faults, step_sys=timer.sys, rss_mb=_rss_mb(),
-         lr=trainer.optimizers[0].param_groups[0]["lr"],
+         step_modes=timer.modes, step_votes=timer.votes, lr=trainer.optimizers[0].param_groups[0]["lr"],
          metrics={k: float(v) for k, v in trainer.progress_bar_metrics.items() if k.startswith("spotnik/")},
          params=_dump(model, cfg), sync=strategy.sync_mode, switches=strategy.sync_switches,
          gossip={"averaged": strategy._adpsgd.averaged, "skipped": strategy._adpsgd.skipped},

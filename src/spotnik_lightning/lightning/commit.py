@@ -72,13 +72,17 @@ class CommitInfo:
 @dataclass
 class Counters:
     """What a member saw: membership changes, retried steps, joins, leaves, the last recovery time
-    (discard to resume) and one entry per resync (the ``spotnik_resync`` log line's fields)."""
+    (discard to resume), the commit votes' durations (last, count, total of completed votes) and
+    one entry per resync (the ``spotnik_resync`` log line's fields)."""
 
     changes: int = 0
     retried_steps: int = 0
     joins: int = 0
     leaves: int = 0
     last_recovery_ms: float = 0.0
+    vote_ms: float = 0.0  # the last commit vote's duration (what the atomic commit adds to a step)
+    votes: int = 0
+    vote_ms_total: float = 0.0
     resyncs: list[dict] = field(default_factory=list)
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import signal
 import sys
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -389,11 +390,15 @@ class SpotnikStrategy(MembershipHandling, ManualSteps, RingCollectives, SyncMode
             self._faults.at("vote", self._committer.committed)
             if not self.atomic:
                 return loss
+            t0 = time.perf_counter()
             try:
                 self._vote = self._committer.vote(leaving=self._leave_requested, request=self._request_code(),
                                                   dirty=self._dirty)
             except MembershipChanged as exc:
                 raise StepDiscarded(exc, voted=True, loss=loss) from None
+            c = self.counters
+            c.vote_ms = (time.perf_counter() - t0) * 1e3
+            c.votes, c.vote_ms_total = c.votes + 1, c.vote_ms_total + c.vote_ms
             return loss
 
         return run
