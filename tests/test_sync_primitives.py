@@ -5,7 +5,15 @@ from __future__ import annotations
 import torch
 
 from spotnik_lightning.api import FetchError
-from spotnik_lightning.sync import ADPSGD, SMA, average_all, average_with_snapshot, cycle, publish_model
+from spotnik_lightning.sync import (
+    ADPSGD,
+    SMA,
+    average_all,
+    average_with_snapshot,
+    complete_optimizer_state,
+    cycle,
+    publish_model,
+)
 from tests.test_ring_unit import CALM, _ring, run_all
 
 
@@ -95,5 +103,55 @@ def test_a_gone_peer_is_skipped_and_dropped_at_once(embedded_server) -> None:
         assert (peer, err) == ("m2", None) and ad.averaged == 1 and ad.skipped == 1
         assert torch.equal(x[0], torch.full((3, 2), (me.rank + groups[2].rank) / 2))
         assert [g.epoch for g in groups] == [1, 1, 1]
+    finally:
+        gen.close()
+
+
+def _optimizers(rank: int) -> tuple[torch.nn.Module, list[torch.optim.Optimizer]]:
+    """Identical models; member ``rank`` steps ``rank`` times with its own gradients (rank 0: never,
+    as a joiner that has not stepped yet), except the last layer, which only rank 1 ever steps."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 2))
+    opts = [torch.optim.SGD(model[0].parameters(), lr=0.1, momentum=0.9), torch.optim.Adam(model[1].parameters())]
+    for k in range(rank):
+        for p in model.parameters():
+            p.grad = torch.full_like(p, float(rank + k))
+        if rank != 1:
+            model[1].weight.grad = model[1].bias.grad = None  # a layer no local gradient reached
+        for opt in opts:
+            opt.step()
+    return model, opts
+
+
+def _opt_tensors(opts: list[torch.optim.Optimizer]) -> list[torch.Tensor]:
+    return [st[k] for opt in opts for g in opt.param_groups for p in g["params"]
+            for st in [opt.state.get(p, {})] for k in sorted(st)]
+
+
+def test_missing_optimizer_state_is_completed_fresh_before_averaging(embedded_server) -> None:
+    gen = iter(_ring(embedded_server, 3, CALM, run="optstate"))
+    groups = next(gen)
+    try:
+        made = {g.rank: _optimizers(g.rank) for g in groups}
+        before = {r: [t.clone() for t in _opt_tensors(opts)] for r, (_m, opts) in made.items()}
+        filled = run_all(groups, lambda g: complete_optimizer_state(g, made[g.rank][1]))
+        # rank 0: all four parameters; rank 1: none; rank 2: the last layer's two
+        assert dict(zip([g.rank for g in groups], filled, strict=True)) == {0: 4, 1: 0, 2: 2}
+        assert [len(_opt_tensors(opts)) for _m, opts in made.values()] == [2 + 6] * 3  # 2 momenta, 2 x 3 Adam
+        for r, (_m, opts) in made.items():  # the state a member had is untouched; what it got is zero
+            for got in _opt_tensors(opts):
+                assert any(got is b or torch.equal(got, b) for b in before[r]) or not got.any()
+        state = {g.rank: [p.data for p in made[g.rank][0].parameters()] + _opt_tensors(made[g.rank][1])
+                 for g in groups}
+        run_all(groups, lambda g: average_all(g, state[g.rank]))
+        for r in (1, 2):
+            assert all(torch.equal(a, b) for a, b in zip(state[0], state[r], strict=True)), "replicas differ"
+        sgd = made[2][1][0]
+        w = made[2][0][0].weight
+        # momentum of the first layer: (fresh 0 + rank 1's one step + rank 2's two steps) / 3
+        b1 = torch.full_like(w, 1.0)
+        b2 = 0.9 * torch.full_like(w, 2.0) + torch.full_like(w, 3.0)
+        assert torch.allclose(sgd.state[w]["momentum_buffer"], (b1 + b2) / 3)
+        assert run_all(groups, lambda g: complete_optimizer_state(g, made[g.rank][1])) == [0, 0, 0]
     finally:
         gen.close()

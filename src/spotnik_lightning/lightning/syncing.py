@@ -24,7 +24,9 @@ the lowest rank's request is the agreed one and every member switches after appl
 Switching to ``ssgd`` from a model-averaging mode (or any step in ``ssgd`` while some member's
 vote says "dirty") first averages parameters, floating buffers *and* floating optimizer state
 (momentum buffers, Adam moments) over all members with one all-reduce per dtype, so replicas are
-bit-identical again. If that averaging is interrupted, the members still dirty say so in the next
+bit-identical again (members lacking some parameter's optimizer state first get fresh, zeroed state
+of the others' layout: :func:`~spotnik_lightning.sync.complete_optimizer_state`). If that
+averaging is interrupted, the members still dirty say so in the next
 vote and the averaging reruns after the next step. Model-averaging modes keep optimizer state local.
 """
 
@@ -38,7 +40,7 @@ import torch
 
 from spotnik_lightning.api import ConfigError, MembershipChanged
 from spotnik_lightning.lightning.commit import Vote
-from spotnik_lightning.sync import ADPSGD, MODES, SMA, average_all
+from spotnik_lightning.sync import ADPSGD, MODES, SMA, average_all, complete_optimizer_state
 
 log = logging.getLogger("spotnik.lightning")
 
@@ -149,6 +151,7 @@ class SyncModes:
             check = None
             if average:
                 try:
+                    complete_optimizer_state(self.ring, self.optimizers)  # e.g. a joiner that never stepped
                     average_all(self.ring, self._state_tensors())
                     self._dirty = False
                     check = "full"

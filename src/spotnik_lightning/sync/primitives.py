@@ -7,6 +7,8 @@ dtype. Ring errors (e.g. :class:`MembershipChanged`) propagate to the caller; on
 tensors are left untouched.
 
 * :func:`average_all` — ``t ← (1/n) Σ_members t`` (ring all-reduce "avg"; bit-identical everywhere);
+* :func:`complete_optimizer_state` — before averaging optimizer state: members lacking a parameter's
+  state (that others have) get fresh, zeroed state of the same layout;
 * :func:`publish_model` — put a snapshot of the tensors in this member's served cache (local copy);
 * :func:`average_with_snapshot` — ``t ← (t + t_peer) / 2`` with the latest snapshot a peer published,
   fetched from the peer's served cache without involving the peer's training thread (one-sided).
@@ -14,6 +16,7 @@ tensors are left untouched.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Sequence
 
 import torch
@@ -58,6 +61,74 @@ def average_all(ring: RingGroup, tensors: Iterable[torch.Tensor]) -> int:
     for group, flat in flats:  # only after every collective succeeded: all or nothing locally
         _unflat(group, flat)
     return nbytes
+
+
+def complete_optimizer_state(ring: RingGroup, optimizers: Sequence[torch.optim.Optimizer]) -> int:
+    """Give every member optimizer state for the same parameters, so that :func:`average_all` can
+    average it: a parameter that has state on some members but none on others (a joiner that has
+    not stepped yet, a parameter no local gradient reached in a model-averaging mode) gets *fresh*
+    state on the members lacking it — the lowest such holder's layout with every tensor and number
+    zeroed (zero momentum, zero Adam moments and step), which the average then mixes in. One
+    all-gather of a byte per parameter; only when layouts differ, two more to exchange the
+    missing layouts. Every member must call it with the same optimizers (same parameter order).
+    Returns the number of parameters that got state here. Ring errors propagate (nothing changed)."""
+    params = [p for opt in optimizers for g in opt.param_groups for p in g["params"]]
+    owner = {id(p): opt for opt in optimizers for g in opt.param_groups for p in g["params"]}
+    mine = torch.tensor([1 if owner[id(p)].state.get(p) else 0 for p in params], dtype=torch.uint8)
+    n = ring.size
+    masks = torch.empty(n * len(params), dtype=torch.uint8)
+    ring.all_gather(masks, mine)
+    rows = masks.view(n, len(params))
+    mixed = [i for i in range(len(params)) if 0 < int(rows[:, i].sum()) < n]
+    if not mixed:
+        return 0
+    holder = {i: int(rows[:, i].nonzero()[0]) for i in mixed}  # the lowest rank with state
+    layout = {i: _layout(owner[id(params[i])].state[params[i]]) for i in mixed if holder[i] == ring.rank}
+    blob = torch.frombuffer(bytearray(json.dumps(layout).encode()), dtype=torch.uint8)
+    sizes = torch.empty(n, dtype=torch.int64)
+    ring.all_gather(sizes, torch.tensor([blob.numel()], dtype=torch.int64))
+    width = int(sizes.max())
+    padded = torch.zeros(width, dtype=torch.uint8)
+    padded[:blob.numel()] = blob
+    blobs = torch.empty(n * width, dtype=torch.uint8)
+    ring.all_gather(blobs, padded)
+    layouts: dict[str, dict] = {}
+    for r in range(n):
+        layouts.update(json.loads(bytes(blobs[r * width:r * width + int(sizes[r])].tolist()) or b"{}"))
+    filled = 0
+    for i in mixed:
+        if not rows[ring.rank, i]:
+            p = params[i]
+            owner[id(p)].state[p] = _fresh(layouts[str(i)])
+            filled += 1
+    return filled
+
+
+def _layout(state: dict) -> dict:
+    out = {}
+    for key, v in state.items():
+        if isinstance(v, torch.Tensor):
+            out[key] = ["tensor", list(v.shape), str(v.dtype).removeprefix("torch.")]
+        elif isinstance(v, bool | int | float):
+            out[key] = ["number", type(v).__name__]
+        else:  # e.g. a flag or a name some optimizer keeps: copied as is (None if not JSON)
+            try:
+                out[key] = ["value", json.loads(json.dumps(v))]
+            except (TypeError, ValueError):
+                out[key] = ["value", None]
+    return out
+
+
+def _fresh(layout: dict) -> dict:
+    out: dict = {}
+    for key, (kind, *rest) in layout.items():
+        if kind == "tensor":
+            out[key] = torch.zeros(rest[0], dtype=getattr(torch, rest[1]))
+        elif kind == "number":
+            out[key] = {"bool": False, "int": 0, "float": 0.0}[rest[0]]
+        else:
+            out[key] = rest[0]
+    return out
 
 
 def _snapshot_order(tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
