@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import socket
+import subprocess
+import threading
 import time
 from collections.abc import Callable
+
+from spotnik_lightning.bench import json_events
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -21,3 +25,16 @@ def wait_until(predicate: Callable[[], bool], timeout: float, what: str, interva
         if time.monotonic() >= deadline:
             raise AssertionError(f"timed out after {timeout} s waiting for {what}")
         time.sleep(interval)
+
+
+def collect_events(proc: subprocess.Popen, into: list[dict]) -> threading.Thread:
+    """Append the JSON objects ``proc`` prints on its (text) stdout to ``into``, from a daemon
+    thread (returned, started) that ends when the process closes its stdout."""
+    def read() -> None:
+        assert proc.stdout is not None
+        for ev in json_events(proc.stdout):
+            into.append(ev)
+
+    t = threading.Thread(target=read, daemon=True)
+    t.start()
+    return t

@@ -13,7 +13,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
@@ -32,6 +31,7 @@ from spotnik_lightning.api import ConfigError, FetchError, RingTimeouts
 from spotnik_lightning.membership import EmbeddedStoreServer, open_store
 from spotnik_lightning.ring import RingGroup, wire
 from spotnik_lightning.ring.serve import CHANNEL
+from tests.helpers import collect_events
 from tests.test_ring_unit import _ring, run_all
 
 pytestmark = pytest.mark.timeout(120)
@@ -51,13 +51,7 @@ class Owner:
         self.proc = subprocess.Popen([sys.executable, str(WORKER), url, run, mid, str(world), str(NUMEL), "7", busy,
                                       str(seconds)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
         self.events: list[dict] = []
-        self._t = threading.Thread(target=self._read, daemon=True)
-        self._t.start()
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.events.append(json.loads(line))
+        self._t = collect_events(self.proc, self.events)
 
     def wait(self, ev: str, timeout: float = 60) -> dict:
         deadline = time.monotonic() + timeout

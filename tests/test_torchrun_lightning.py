@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import json
 import subprocess
-import threading
 import time
 import uuid
 from pathlib import Path
 
-from helpers import free_port
+from helpers import collect_events, free_port
 from torchrun_agents import TORCHRUN, agent_env
 
 SCRIPT = str(Path(__file__).resolve().parents[1] / "examples" / "torchrun_lightning.py")
@@ -22,14 +21,7 @@ class _Node:
         with open(log, "w") as err:
             self.proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=err, text=True)
         self.lines: list[dict] = []
-        self._t = threading.Thread(target=self._read, daemon=True)
-        self._t.start()
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for raw in self.proc.stdout:
-            if raw.startswith("{"):
-                self.lines.append(json.loads(raw))
+        self._t = collect_events(self.proc, self.lines)
 
     def of(self, ev: str) -> list[dict]:
         return [x for x in self.lines if x.get("ev") == ev]

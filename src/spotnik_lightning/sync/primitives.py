@@ -72,18 +72,17 @@ def complete_optimizer_state(ring: RingGroup, optimizers: Sequence[torch.optim.O
     all-gather of a byte per parameter; only when layouts differ, two more to exchange the
     missing layouts. Every member must call it with the same optimizers (same parameter order).
     Returns the number of parameters that got state here. Ring errors propagate (nothing changed)."""
-    params = [p for opt in optimizers for g in opt.param_groups for p in g["params"]]
-    owner = {id(p): opt for opt in optimizers for g in opt.param_groups for p in g["params"]}
-    mine = torch.tensor([1 if owner[id(p)].state.get(p) else 0 for p in params], dtype=torch.uint8)
+    states = [(opt.state, p) for opt in optimizers for g in opt.param_groups for p in g["params"]]
+    mine = torch.tensor([1 if state.get(p) else 0 for state, p in states], dtype=torch.uint8)
     n = ring.size
-    masks = torch.empty(n * len(params), dtype=torch.uint8)
+    masks = torch.empty(n * len(states), dtype=torch.uint8)
     ring.all_gather(masks, mine)
-    rows = masks.view(n, len(params))
-    mixed = [i for i in range(len(params)) if 0 < int(rows[:, i].sum()) < n]
+    rows = masks.view(n, len(states))
+    mixed = [i for i in range(len(states)) if 0 < int(rows[:, i].sum()) < n]
     if not mixed:
         return 0
     holder = {i: int(rows[:, i].nonzero()[0]) for i in mixed}  # the lowest rank with state
-    layout = {i: _layout(owner[id(params[i])].state[params[i]]) for i in mixed if holder[i] == ring.rank}
+    layout = {i: _layout(states[i][0][states[i][1]]) for i in mixed if holder[i] == ring.rank}
     blob = torch.frombuffer(bytearray(json.dumps(layout).encode()), dtype=torch.uint8)
     sizes = torch.empty(n, dtype=torch.int64)
     ring.all_gather(sizes, torch.tensor([blob.numel()], dtype=torch.int64))
@@ -98,8 +97,8 @@ def complete_optimizer_state(ring: RingGroup, optimizers: Sequence[torch.optim.O
     filled = 0
     for i in mixed:
         if not rows[ring.rank, i]:
-            p = params[i]
-            owner[id(p)].state[p] = _fresh(layouts[str(i)])
+            state, p = states[i]
+            state[p] = _fresh(layouts[str(i)])
             filled += 1
     return filled
 
